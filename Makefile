@@ -1,0 +1,27 @@
+# The README's two commands: `make fit` and `make test`. Both create .venv on first use.
+# torch is installed first and pinned, so pip never pulls a multi-GB CUDA build on a fresh machine.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: fit test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+fit: $(BIN)/.installed  ## regenerate the paper coefficients for gelu and silu, print the error report
+	$(BIN)/invact-fit gelu --family paper
+	$(BIN)/invact-fit silu --family paper
+
+test: $(BIN)/.installed  ## lint, then the whole test suite (everything that runs without a GPU)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

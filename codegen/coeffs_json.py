@@ -1,0 +1,197 @@
+"""The coefficient file, schema "invact-coeffs/1": load with validation, write atomically.
+
+Both `fitting` (writer) and `codegen` (reader) use this module; it imports neither. A file is written
+with sorted keys and `repr` floats, via a temporary file renamed into place, so a reader never sees a
+half-written file and the same content always gives the same bytes. Every validation error names the
+file and the field, e.g. ``coeffs/gelu/paper.json: branches.left.coefficients.c3: not a finite number``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sympy
+
+SCHEMA = "invact-coeffs/1"
+BRANCH_NAMES = ("left", "right")
+ERROR_KEYS = ("l2", "linf", "linf_bf16", "linf_fp16", "linf_fp32")
+FLOOR_KEYS = ("bf16", "fp16", "fp32")
+ALLOWED_FUNCTIONS = frozenset({"sqrt", "exp", "log", "Abs", "Max", "Min", "Piecewise"})
+_COEFF_NAME = re.compile(r"c(0|[1-9][0-9]*)")
+Y = sympy.Symbol("y", real=True)
+
+
+class CoeffsError(ValueError):
+    """A coefficient file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class BranchCoeffs:
+    expression: str  # sympy string in y and the coefficient names
+    coefficients: dict[str, float]
+    errors: dict[str, float]  # ERROR_KEYS, see DESIGN.md "Error metrics"
+    storage_floor: dict[str, float]  # FLOOR_KEYS: the error no approximation beats in that dtype
+    flops: int
+
+    def sympy_expression(self) -> sympy.Expr:
+        """The expression with its coefficients substituted: y is its only free symbol."""
+        return parse_expression(self.expression, list(self.coefficients), where="").subs(
+            {sympy.Symbol(k, real=True): v for k, v in self.coefficients.items()}
+        )
+
+
+@dataclass(frozen=True)
+class CoeffFile:
+    activation: str
+    family: str
+    threshold: float  # T: bit = 1 (left branch) where x < T
+    y_min: float  # f(T)
+    branches: dict[str, BranchCoeffs]
+    provenance: dict[str, Any]
+
+    def to_json(self) -> str:
+        doc = {
+            "schema": SCHEMA,
+            "activation": self.activation,
+            "family": self.family,
+            "threshold": self.threshold,
+            "y_min": self.y_min,
+            "branches": {
+                name: {
+                    "expression": b.expression,
+                    "coefficients": b.coefficients,
+                    "errors": b.errors,
+                    "storage_floor": b.storage_floor,
+                    "flops": b.flops,
+                }
+                for name, b in self.branches.items()
+            },
+            "provenance": self.provenance,
+        }
+        return json.dumps(doc, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+
+def parse_expression(text: str, coefficient_names: list[str], where: str) -> sympy.Expr:
+    """Parse a branch expression; only y, the named coefficients and ALLOWED_FUNCTIONS may appear."""
+    symbols = {name: sympy.Symbol(name, real=True) for name in [*coefficient_names, "y"]}
+    try:
+        expr = sympy.parse_expr(text, local_dict=symbols, evaluate=True)
+    except (SyntaxError, TypeError, ValueError, sympy.SympifyError) as e:
+        raise CoeffsError(f"{where}: cannot parse expression {text!r}: {e}") from None
+    unknown = {s.name for s in expr.free_symbols} - set(symbols)
+    if unknown:
+        raise CoeffsError(f"{where}: unknown symbols {sorted(unknown)} in expression")
+    functions = {type(f).__name__ for f in expr.atoms(sympy.Function)}
+    if functions - ALLOWED_FUNCTIONS:
+        raise CoeffsError(f"{where}: functions {sorted(functions - ALLOWED_FUNCTIONS)} are not allowed")
+    return expr
+
+
+def _field(doc: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(doc, dict):
+        raise CoeffsError(f"{where}: expected an object")
+    if key not in doc:
+        raise CoeffsError(f"{where}.{key}: missing" if where else f"{key}: missing")
+    value = doc[key]
+    path = f"{where}.{key}" if where else key
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise CoeffsError(f"{path}: not a finite number")
+        return float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise CoeffsError(f"{path}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _numbers(doc: dict, keys: tuple[str, ...], where: str) -> dict[str, float]:
+    return {k: _field(doc, k, float, where) for k in keys}
+
+
+def from_dict(doc: Any) -> CoeffFile:
+    """Validate a parsed document; raises CoeffsError naming the first bad field (without the file)."""
+    if not isinstance(doc, dict):
+        raise CoeffsError("top level: expected an object")
+    if _field(doc, "schema", str, "") != SCHEMA:
+        raise CoeffsError(f"schema: expected {SCHEMA!r}, got {doc['schema']!r}")
+    branches_doc = _field(doc, "branches", dict, "")
+    if sorted(branches_doc) != sorted(BRANCH_NAMES):
+        raise CoeffsError(f"branches: expected exactly {list(BRANCH_NAMES)}, got {sorted(branches_doc)}")
+    branches = {}
+    for name in BRANCH_NAMES:
+        where = f"branches.{name}"
+        b = branches_doc[name]
+        coeffs_doc = _field(b, "coefficients", dict, where)
+        for key in coeffs_doc:
+            if not _COEFF_NAME.fullmatch(key):
+                raise CoeffsError(f"{where}.coefficients.{key}: coefficient names are c0, c1, ...")
+        coefficients = _numbers(coeffs_doc, tuple(coeffs_doc), f"{where}.coefficients")
+        expression = _field(b, "expression", str, where)
+        parse_expression(expression, list(coefficients), f"{where}.expression")
+        flops = _field(b, "flops", int, where)
+        if flops < 0:
+            raise CoeffsError(f"{where}.flops: must be >= 0")
+        branches[name] = BranchCoeffs(
+            expression=expression,
+            coefficients=coefficients,
+            errors=_numbers(_field(b, "errors", dict, where), ERROR_KEYS, f"{where}.errors"),
+            storage_floor=_numbers(
+                _field(b, "storage_floor", dict, where), FLOOR_KEYS, f"{where}.storage_floor"
+            ),
+            flops=flops,
+        )
+    return CoeffFile(
+        activation=_field(doc, "activation", str, ""),
+        family=_field(doc, "family", str, ""),
+        threshold=_field(doc, "threshold", float, ""),
+        y_min=_field(doc, "y_min", float, ""),
+        branches=branches,
+        provenance=_field(doc, "provenance", dict, ""),
+    )
+
+
+def load(path: str | os.PathLike) -> CoeffFile:
+    """Read and validate a coefficient file. Raises CoeffsError("<path>: <field>: <problem>")."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CoeffsError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CoeffsError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    try:
+        return from_dict(doc)
+    except CoeffsError as e:
+        raise CoeffsError(f"{path}: {e}") from None
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write via a temporary file in the same folder, then rename: the target is never half-written."""
+    path = Path(path)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(coeffs: CoeffFile, path: str | os.PathLike) -> None:
+    """Validate (round trip through from_dict) and write atomically."""
+    text = coeffs.to_json()
+    from_dict(json.loads(text))
+    write_atomic(path, text)

@@ -1,0 +1,87 @@
+"""Formula families: per branch, a sympy expression in y with free coefficients c0..cn and a start.
+
+A family is built for one activation by a builder registered in FAMILIES. Derived activations
+(quick_gelu = silu scaled) get their base's family with y replaced by a*y (see `derive`), and are not
+refitted: their coefficients are the base's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sympy
+
+from fitting.activations import Activation, get_activation
+
+Y = sympy.Symbol("y", real=True)
+
+
+def coefficient_symbols(n: int) -> list[sympy.Symbol]:
+    return [sympy.Symbol(f"c{i}", real=True) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class BranchForm:
+    """q(y) on one branch: `expression` in Y and the symbols named in `start` (c0..cn, in order)."""
+
+    expression: sympy.Expr
+    start: dict[str, float]
+
+    def substituted(self, coefficients: dict[str, float]) -> sympy.Expr:
+        return self.expression.subs({sympy.Symbol(k, real=True): v for k, v in coefficients.items()})
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    activation: str
+    branches: dict[str, BranchForm]  # "left", "right"
+    published: bool  # True when `start` holds coefficients published for this very activation
+    source: str  # where the form and the start come from
+
+
+FamilyBuilder = Callable[[Activation], Family]
+FAMILIES: dict[str, FamilyBuilder] = {}
+
+
+def register(name: str) -> Callable[[FamilyBuilder], FamilyBuilder]:
+    def wrap(builder: FamilyBuilder) -> FamilyBuilder:
+        FAMILIES[name] = builder
+        return builder
+
+    return wrap
+
+
+class UnknownFamily(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def derive(base: Family, activation: str, scale: float) -> Family:
+    """The family of f(x) = base(a x)/a: q(y) = q_base(a y), same coefficients."""
+    a = sympy.Float(scale, 17)
+    return Family(
+        name=base.name,
+        activation=activation,
+        branches={
+            k: BranchForm(b.expression.subs(Y, a * Y), dict(b.start)) for k, b in base.branches.items()
+        },
+        published=base.published,
+        source=f"{base.source}; derived from {base.activation} with y -> {scale!r}*y",
+    )
+
+
+def get_family(name: str, activation: str) -> Family:
+    """The family `name` for `activation` (derived activations get their base's, rescaled)."""
+    if name not in FAMILIES:
+        raise UnknownFamily(f"unknown family {name!r} (choose from {', '.join(sorted(FAMILIES))})")
+    act = get_activation(activation)
+    if act.derivation is not None:
+        base = get_family(name, act.derivation.base)
+        return derive(base, activation, act.derivation.scale)
+    return FAMILIES[name](act)
+
+
+# Builders register themselves on import.
+from fitting.families import paper  # noqa: E402, F401

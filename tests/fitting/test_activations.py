@@ -1,0 +1,82 @@
+"""The registry against mpmath at 30 digits: f, f', T and y_min."""
+
+import mpmath as mp
+import numpy as np
+import pytest
+
+from fitting.activations import ACTIVATIONS, UnknownActivation, get_activation
+
+mp.mp.dps = 30
+
+
+def _mp_f(name: str, x):
+    # Written without 1 + erf / 1 + tanh, which cancel for x << 0 even at 30 digits.
+    if name == "gelu":
+        return x * mp.erfc(-x / mp.sqrt(2)) / 2
+    if name == "gelu_tanh":
+        return x / (1 + mp.exp(-2 * mp.sqrt(2 / mp.pi) * (x + mp.mpf("0.044715") * x**3)))
+    if name == "silu":
+        return x / (1 + mp.exp(-x))
+    if name == "quick_gelu":
+        return x / (1 + mp.exp(-mp.mpf("1.702") * x))
+    raise KeyError(name)
+
+
+X = np.concatenate([np.linspace(-30, 30, 241), [-0.75, -1.28, -1e-3, 1e-3]])
+
+
+def _ulps(got: float, want) -> float:
+    return abs(got - float(want)) / np.spacing(max(abs(float(want)), 1e-300))
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_f_and_derivative_match_mpmath(name):
+    act = ACTIVATIONS[name]
+    worst_f = worst_df_abs = worst_df_tail = 0.0
+    for x in X:
+        xm = mp.mpf(float(x))
+        f_ref, df_ref = _mp_f(name, xm), mp.diff(lambda t: _mp_f(name, t), xm)
+        # f's error in ulp, over its condition number 1 + |x f'/f| (quick_gelu rounds 1.702 x first).
+        if abs(f_ref) > 1e-300:  # below, f is subnormal and its relative error means nothing
+            cond = 1 + abs(float(xm * df_ref / f_ref))
+            worst_f = max(worst_f, _ulps(float(act.f(np.float64(x))), f_ref) / cond)
+        df = float(act.df(np.float64(x)))
+        # f' crosses 0 at T, so in the body measure its error in ulp(1), the scale of its terms ...
+        worst_df_abs = max(worst_df_abs, abs(df - float(df_ref)) / np.spacing(1.0))
+        # ... and in the left tail, where f' is tiny, relative to itself (catches cancellation).
+        if 1e-300 < abs(float(df_ref)) < 1e-3 and x < -3:
+            worst_df_tail = max(worst_df_tail, abs(df / float(df_ref) - 1))
+    # Measured on this grid: worst_f <= 1.9, worst_df_abs = 1.0, worst_df_tail <= 6e-14 (gelu_tanh,
+    # whose cubic argument is rounded before exp). Twice those, rounded up:
+    assert worst_f <= 4
+    assert worst_df_abs <= 2
+    assert worst_df_tail <= 1.2e-13
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_threshold_is_the_root_of_the_derivative(name):
+    act = ACTIVATIONS[name]
+    t_ref = mp.findroot(lambda t: mp.diff(lambda u: _mp_f(name, u), t), act.threshold)
+    assert abs(act.threshold - float(t_ref)) <= 1e-14
+    assert _ulps(act.y_min, _mp_f(name, t_ref)) <= 4  # f(T) in float64: measured 2 ulp for GELU
+
+
+def test_paper_thresholds():
+    # FACTS.md: GELU T = -0.7517915246935646, SiLU T = -1.278464542761074 (printed to 16 digits).
+    assert get_activation("gelu").threshold == pytest.approx(-0.7517915246935646, abs=2e-16)
+    assert get_activation("silu").threshold == pytest.approx(-1.278464542761074, abs=2e-16)
+
+
+def test_quick_gelu_is_scaled_silu():
+    q, s = get_activation("quick_gelu"), get_activation("silu")
+    a = q.derivation.scale
+    assert q.derivation.base == "silu"
+    assert q.threshold == pytest.approx(s.threshold / a, rel=1e-14)
+    assert q.y_min == pytest.approx(s.y_min / a, rel=1e-14)
+    x = np.linspace(-10, 10, 101)
+    np.testing.assert_allclose(q.df(x), s.df(a * x), rtol=0, atol=0)
+
+
+def test_unknown_activation_message_lists_choices():
+    with pytest.raises(UnknownActivation, match="unknown activation 'relu6' \\(choose from gelu, gelu_tanh"):
+        get_activation("relu6")
