@@ -8,11 +8,14 @@ file and the field, e.g. ``coeffs/gelu/paper.json: branches.left.coefficients.c3
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import tempfile
+import tokenize
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +86,7 @@ def parse_expression(text: str, coefficient_names: list[str], where: str) -> sym
     symbols = {name: sympy.Symbol(name, real=True) for name in [*coefficient_names, "y"]}
     try:
         expr = sympy.parse_expr(text, local_dict=symbols, evaluate=True)
-    except (SyntaxError, TypeError, ValueError, sympy.SympifyError) as e:
+    except (SyntaxError, TypeError, ValueError, sympy.SympifyError, tokenize.TokenError) as e:
         raise CoeffsError(f"{where}: cannot parse expression {text!r}: {e}") from None
     unknown = {s.name for s in expr.free_symbols} - set(symbols)
     if unknown:
@@ -173,21 +176,28 @@ def load(path: str | os.PathLike) -> CoeffFile:
         raise CoeffsError(f"{path}: {e}") from None
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write via a temporary file in the same folder, then rename: the target is never half-written."""
+@contextlib.contextmanager
+def atomic_target(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success it is renamed onto `path`, on any error removed.
+    Readers never see a half-written file, and a failed write leaves nothing behind."""
     path = Path(path)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, mode) as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield Path(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write text or bytes to `path` atomically (see atomic_target), flushed to disk."""
+    with atomic_target(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def save(coeffs: CoeffFile, path: str | os.PathLike) -> None:

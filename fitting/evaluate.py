@@ -80,12 +80,12 @@ def lattice(fmt: FloatFormat, lo: float, hi: float) -> np.ndarray:
     if fmt.name != "fp32":
         v = _all_16bit_values(fmt.name)
         return v[(v >= a) & (v <= b)]
+    # Ordinals: consecutive integers are consecutive fp32 values (-x maps to -ordinal(x)).
     start = np.float32(a)
-    steps = np.arange(_FP32_CUSP_LATTICE, dtype=np.int64)
-    bits = np.int64(start.view(np.int32))
-    # Moving up from a negative float means a smaller magnitude: subtract from the bit pattern.
-    codes = bits - steps if start < 0 else bits + steps
-    v = codes[(codes >= 0) & (codes < 2**31)].astype(np.int32).view(np.float32).astype(np.float64)
+    magnitude = np.int64(np.abs(start).view(np.int32))
+    ordinals = (-magnitude if start < 0 else magnitude) + np.arange(_FP32_CUSP_LATTICE, dtype=np.int64)
+    mags = np.abs(ordinals).astype(np.int32).view(np.float32).astype(np.float64)
+    v = np.where(ordinals < 0, -mags, mags)
     return v[v <= b]
 
 
@@ -167,8 +167,14 @@ def storage_floors(act: Activation, branch: Branch) -> dict[str, float]:
 
 
 def count_flops(expression: sympy.Expr) -> int:
-    """Operations per element: one per +, -, *, /, sqrt, exp, log, abs, max, min; x^k costs k-1
-    multiplications (plus a division when k < 0); other powers cost 2 (exp and log)."""
+    """Operations per element after common-subexpression elimination (as generated code computes it):
+    one per +, -, *, /, sqrt, exp, log, abs, max, min; x^k costs k-1 multiplications (plus a division
+    when k < 0); other powers cost 2 (exp and log)."""
+    replacements, (reduced,) = sympy.cse(expression)
+    return sum(_flops_of_tree(e) for _, e in replacements) + _flops_of_tree(reduced)
+
+
+def _flops_of_tree(expression: sympy.Expr) -> int:
     total = 0
     for node in sympy.preorder_traversal(expression):
         if isinstance(node, (sympy.Add, sympy.Mul, sympy.Max, sympy.Min)):

@@ -185,5 +185,3 @@ def fit_branch(
     c_mm = minimax(act, branch, form, sample, c_ls, settings, progress)
     as_dict = lambda c: {n: float(v) for n, v in zip(names, c, strict=True)}  # noqa: E731
     return BranchFit(lstsq=as_dict(c_ls), minimax=as_dict(c_mm))
-
-

@@ -1,8 +1,8 @@
 """The paper's family (Method section, eqs. for q^left / q^right; coefficients from its appendix).
 
 Guards added to the written formulas, none of which changes a value on the branch's own range:
-- sqrt arguments are clamped at 0, so a y rounded below y_min (bf16 SiLU: f(T) rounds to
-  -0.279296875 < y_min) gives the cusp value instead of NaN;
+- y is clamped at y_min, so a y rounded below it (bf16 SiLU: f(T) rounds to -0.279296875 < y_min)
+  gives the cusp value instead of NaN or an extrapolation; other sqrt arguments are clamped at 0;
 - y~ = y - y_min is capped at Y_TILDE_CAP in the exp(c3*(c4 - y~)^3) forms: past it the exp factor is
   0 in float64 for any c3 > 1e-9, and the cap keeps the cube and the prefactor finite (no 0 * inf);
 - SiLU's f' = p*(1 - y) + y is written as 1 + (1 - y)*(p - 1) on the right branch, where p -> 1 and
@@ -41,8 +41,14 @@ def _start(values: tuple[float, ...]) -> dict[str, float]:
     return {f"c{i}": float(v) for i, v in enumerate(values)}
 
 
+def _y_clamped(act: Activation) -> sympy.Expr:
+    """max(y, y_min): the value every formula of this family reads instead of y."""
+    return Max(Y, sympy.Float(act.y_min, 17))
+
+
 def _y_tilde(act: Activation, cap: float | None = None) -> sympy.Expr:
-    shifted = Max(Y - sympy.Float(act.y_min, 17), 0)
+    """y~ = max(y, y_min) - y_min >= 0, optionally capped."""
+    shifted = _y_clamped(act) - sympy.Float(act.y_min, 17)
     return shifted if cap is None else Min(shifted, sympy.Float(cap, 17))
 
 
@@ -55,9 +61,10 @@ def _saturating_exp_term(act: Activation) -> sympy.Expr:
 
 def gelu_forms(act: Activation) -> dict[str, BranchForm]:
     c = coefficient_symbols(8)
+    y = _y_clamped(act)
     left = (
-        c[0] * sqrt(Max(Y + c[1], 0)) * (2 * Y + c[2] * sqrt(Max(-Y, 0)))
-        * (Abs(c[3] * Y**2 + Abs(c[4] * Y + c[5]) + c[6]) + c[7])
+        c[0] * sqrt(Max(y + c[1], 0)) * (2 * y + c[2] * sqrt(Max(-y, 0)))
+        * (Abs(c[3] * y**2 + Abs(c[4] * y + c[5]) + c[6]) + c[7])
     )  # fmt: skip
     right = 1 + _saturating_exp_term(act)
     return {"left": BranchForm(left, _start(GELU_LEFT)), "right": BranchForm(right, _start(GELU_RIGHT))}
@@ -65,10 +72,10 @@ def gelu_forms(act: Activation) -> dict[str, BranchForm]:
 
 def silu_forms(act: Activation) -> dict[str, BranchForm]:
     c = coefficient_symbols(4)
-    yt = _y_tilde(act)
+    y, yt = _y_clamped(act), _y_tilde(act)
     p_left = c[0] + c[1] * sqrt(yt) + c[2] * yt + c[3] * yt**2
-    left = p_left * (1 - Y) + Y
-    right = 1 + (1 - Y) * _saturating_exp_term(act)  # = p*(1 - y) + y with p = 1 + term
+    left = p_left * (1 - y) + y
+    right = 1 + (1 - y) * _saturating_exp_term(act)  # = p*(1 - y) + y with p = 1 + term
     return {"left": BranchForm(left, _start(SILU_LEFT)), "right": BranchForm(right, _start(SILU_RIGHT))}
 
 

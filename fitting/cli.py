@@ -1,0 +1,162 @@
+"""`invact-fit`: fit a formula family for an activation, report its errors, write the coefficient JSON.
+
+Exit status: 0 on success, 2 for bad arguments or unusable inputs (unknown activation or family, an
+unreadable or invalid --init file, an output path that cannot be written), 1 if the fit itself fails,
+130 on Ctrl-C. Errors are one line on stderr. Files are written atomically, only after the fit
+succeeded, so an interrupted or failed run leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from codegen.coeffs_json import CoeffsError, load, save
+from fitting.activations import ACTIVATIONS, UnknownActivation, get_activation
+from fitting.families import FAMILIES, UnknownFamily, get_family
+from fitting.pipeline import FamilyFit, fit_family
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+class UsageError(Exception):
+    """Bad input: reported in one line, exit status 2."""
+
+
+def default_coeffs_dir() -> Path:
+    """coeffs/ of the source checkout when running from one, else ./coeffs."""
+    if (_PACKAGE_ROOT / "pyproject.toml").exists() and (_PACKAGE_ROOT / "coeffs").is_dir():
+        return _PACKAGE_ROOT / "coeffs"
+    return Path.cwd() / "coeffs"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="invact-fit",
+        description=(
+            "Fit q(y) ~ f'(f^-1(y)) on each monotone branch of an activation, print the errors of the "
+            "start (published) coefficients next to the least-squares and minimax refits, and write "
+            "the best (smallest linf_fp32) as coefficient JSON (schema invact-coeffs/1)."
+        ),
+        epilog=(
+            f"activations: {', '.join(sorted(ACTIVATIONS))} (quick_gelu is silu rescaled: it reuses "
+            f"silu's fit). families: {', '.join(sorted(FAMILIES))}. "
+            "Example: invact-fit gelu --family paper --plot gelu.png"
+        ),
+    )
+    parser.add_argument("activation", help="activation to fit (see the list below)")
+    parser.add_argument("--family", required=True, help="formula family (see the list below)")
+    parser.add_argument(
+        "--out", type=Path, help="where to write the JSON (default: coeffs/<activation>/<family>.json)"
+    )
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="also write the paper's Fig. 2 analogue")
+    parser.add_argument(
+        "--init",
+        type=Path,
+        metavar="JSON",
+        help="start from the coefficients of an existing coefficient file",
+    )
+    parser.add_argument(
+        "--codegen",
+        action="store_true",
+        help="regenerate the kernels after the fit (no code generator exists in this version yet)",
+    )
+    return parser
+
+
+def _check_writable(path: Path, what: str) -> None:
+    """Fail before a long fit, not after it: the folder must exist and accept a new file."""
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory")
+    folder = path.parent
+    probe_from = folder
+    while not probe_from.exists():
+        probe_from = probe_from.parent
+    if not probe_from.is_dir():
+        raise UsageError(f"cannot write {what} {path}: {probe_from} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=probe_from, prefix=".invact-fit-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"cannot write {what} {path}: {e.strerror or e}") from None
+
+
+def _start_from(init: Path, activation: str, family: str) -> dict[str, dict[str, float]]:
+    coeffs = load(init)
+    if (coeffs.activation, coeffs.family) != (activation, family):
+        raise UsageError(f"{init}: holds {coeffs.activation}/{coeffs.family}, not {activation}/{family}")
+    expected = get_family(family, activation)
+    for name, branch in coeffs.branches.items():
+        if list(branch.coefficients) != list(expected.branches[name].start):
+            raise UsageError(f"{init}: branches.{name}.coefficients: names differ from the family's")
+    return {name: dict(b.coefficients) for name, b in coeffs.branches.items()}
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    try:
+        get_activation(args.activation)
+        get_family(args.family, args.activation)
+    except (UnknownActivation, UnknownFamily) as e:
+        raise UsageError(str(e)) from None
+    out = args.out or default_coeffs_dir() / args.activation / f"{args.family}.json"
+    _check_writable(out, "output")
+    if args.plot:
+        _check_writable(args.plot, "plot")
+    start = None
+    if args.init:
+        try:
+            start = _start_from(args.init, args.activation, args.family)
+        except CoeffsError as e:
+            raise UsageError(str(e)) from None
+
+    command = f"invact-fit {args.activation} --family {args.family}"
+    if args.init:
+        command += f" --init {args.init}"
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        fit: FamilyFit = fit_family(
+            args.activation, args.family, start=start, progress=lambda m: bar.update(task, description=m)
+        )
+
+    from fitting.report import print_report  # rich tables; imported late to keep --help fast
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(fit.coeff_file(command), out)
+    print_report(fit, str(out), Console(width=None if sys.stdout.isatty() else 120))
+    if args.plot:
+        from fitting.plot import save_figure
+
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        save_figure(fit, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.codegen:
+        console.print("--codegen: this version has no code generator yet; only the JSON was written")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        return run(args, console)
+    except UsageError as e:
+        print(f"invact-fit: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("invact-fit: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"invact-fit: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

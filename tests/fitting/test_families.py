@@ -1,0 +1,65 @@
+"""The paper family: forms, guards, derived activations."""
+
+import numpy as np
+import pytest
+import sympy
+
+from codegen.coeffs_json import ALLOWED_FUNCTIONS
+from fitting.activations import get_activation
+from fitting.evaluate import FORMATS, compile_q, lattice
+from fitting.families import UnknownFamily, Y, get_family
+from fitting.families.paper import SILU_LEFT, SILU_RIGHT
+
+ALL_16BIT = {name: lattice(FORMATS[name], -FORMATS[name].max, FORMATS[name].max) for name in ("fp16", "bf16")}
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "quick_gelu"])
+def test_forms_use_only_y_coefficients_and_allowed_functions(activation):
+    family = get_family("paper", activation)
+    for form in family.branches.values():
+        names = {s.name for s in form.expression.free_symbols}
+        assert names == {"y", *form.start}
+        used = {type(f).__name__ for f in form.expression.atoms(sympy.Function)}
+        assert used <= ALLOWED_FUNCTIONS
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_every_finite_16bit_input_gives_a_finite_value(activation, dtype):
+    # FACTS.md traps: exp(c3 (c4 - y~)^3) -> 0 times an infinite prefactor, SiLU's (1 - y) factor,
+    # sqrt of a y rounded below y_min. Every finite 16-bit y, on both branches, must stay finite.
+    family = get_family("paper", activation)
+    y = ALL_16BIT[dtype]
+    for form in family.branches.values():
+        assert np.isfinite(compile_q(form.substituted(form.start))(y)).all()
+
+
+def test_silu_tables_are_assigned_as_facts_says():
+    # The appendix swaps the labels: the 4-coefficient table is the left polynomial.
+    family = get_family("paper", "silu")
+    assert tuple(family.branches["left"].start.values()) == SILU_LEFT
+    assert tuple(family.branches["right"].start.values()) == SILU_RIGHT
+
+
+def test_silu_right_does_not_cancel_for_large_y():
+    form = get_family("paper", "silu").branches["right"]
+    q = compile_q(form.substituted(form.start))
+    # f'(x) = 1 + x e^-x (1 + ...) -> 1: the printed p*(1 - y) + y would lose everything at y = 1e8.
+    assert q(np.array([1e8, 3e38]))[0] == 1.0 and q(np.array([3e38]))[0] == 1.0
+
+
+def test_quick_gelu_is_silu_rescaled():
+    silu, quick = get_family("paper", "silu"), get_family("paper", "quick_gelu")
+    a = get_activation("quick_gelu").derivation.scale
+    y = np.linspace(-0.16, 3, 101)
+    for branch in ("left", "right"):
+        qs = compile_q(silu.branches[branch].substituted(silu.branches[branch].start))
+        qq = compile_q(quick.branches[branch].substituted(quick.branches[branch].start))
+        np.testing.assert_allclose(qq(y), qs(a * y), rtol=1e-15, atol=1e-16)
+        assert quick.branches[branch].start == silu.branches[branch].start
+
+
+def test_unknown_family_and_unsupported_activation():
+    with pytest.raises(UnknownFamily, match="unknown family 'nope' \\(choose from paper"):
+        get_family("nope", "gelu")
+    assert Y.name == "y"
