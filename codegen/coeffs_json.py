@@ -108,7 +108,7 @@ def _field(doc: dict, key: str, kind: type | tuple[type, ...], where: str) -> An
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise CoeffsError(f"{path}: not a finite number")
         return float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # bool is an int
         raise CoeffsError(f"{path}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
     return value
 

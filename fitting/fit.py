@@ -95,8 +95,8 @@ def least_squares(form: BranchForm, sample: Sample, start: np.ndarray, s: FitSet
     return result.x
 
 
-def _minimax_on(r: Residuals, c: np.ndarray, iterations: int) -> np.ndarray:
-    """SLP trust-region minimax of max|r(c)| over r's fixed sample; returns the best c found."""
+def _minimax_on(r: Residuals, c: np.ndarray, iterations: int) -> tuple[np.ndarray, float]:
+    """SLP trust-region minimax of max|r(c)| over r's fixed sample; the best c found and its error."""
     res = r(c)
     err = np.max(np.abs(res))
     scale = np.maximum(np.abs(c), 1e-3)
@@ -127,7 +127,7 @@ def _minimax_on(r: Residuals, c: np.ndarray, iterations: int) -> np.ndarray:
             radius *= 0.25
             if radius < 1e-12:
                 break
-    return c
+    return c, err
 
 
 def _worst_points(q_err: np.ndarray, y: np.ndarray, k: int) -> np.ndarray:
@@ -152,9 +152,8 @@ def minimax(
     for k in range(s.exchange_rounds):
         if progress:
             progress(f"minimax, exchange round {k + 1}/{s.exchange_rounds}")
-        c = _minimax_on(Residuals(form, y, t), c, s.minimax_iterations)
+        c, sample_err = _minimax_on(Residuals(form, y, t), c, s.minimax_iterations)
         dense_res = dense(c)
-        sample_err = np.max(np.abs(Residuals(form, y, t)(c)))
         if np.max(np.abs(dense_res)) <= sample_err * (1 + 1e-3):
             break
         extra = _worst_points(dense_res, y_dense, s.exchange_points)

@@ -97,7 +97,7 @@ def fit_family(
     act = get_activation(activation)
     family = get_family(family_name, activation)
     fit_act = get_activation(act.derivation.base) if act.derivation else act
-    fit_family_ = get_family(family_name, fit_act.name) if act.derivation else family
+    base_family = get_family(family_name, fit_act.name) if act.derivation else family
     start_label = "published" if family.published else "start"
 
     branches = {}
@@ -105,7 +105,7 @@ def fit_family(
         say = (lambda msg, b=branch: progress(f"{activation}/{b}: {msg}")) if progress else None
         form = family.branches[branch]
         first = (start or {}).get(branch, form.start)
-        fitted = fit_branch(fit_act, branch, fit_family_.branches[branch], first, settings, say)
+        fitted = fit_branch(fit_act, branch, base_family.branches[branch], first, settings, say)
         if say:
             say("measuring errors")
         candidates = [
