@@ -17,7 +17,7 @@ import sympy
 from scipy import optimize
 
 from fitting.activations import Activation
-from fitting.evaluate import branch_x_range, metric_x_grid
+from fitting.evaluate import branch_x_range, full_precision, metric_x_grid
 from fitting.families import BranchForm, Y
 from fitting.targets import Branch, target
 
@@ -66,7 +66,7 @@ class Residuals:
     def __init__(self, form: BranchForm, y: np.ndarray, t: np.ndarray):
         self.names = list(form.start)
         symbols = [sympy.Symbol(n, real=True) for n in self.names]
-        self._fn = sympy.lambdify([Y, *symbols], form.expression, "numpy")
+        self._fn = sympy.lambdify([Y, *symbols], full_precision(form.expression), "numpy")
         self.y, self.t = y, t
 
     def __call__(self, c: np.ndarray) -> np.ndarray:

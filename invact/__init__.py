@@ -1,7 +1,14 @@
-"""invact: Inverted Activations for PyTorch training (the runtime; imports torch alone).
+"""invact: Inverted Activations for PyTorch training.
 
-The drop-in modules and their kernels are generated from the fitted coefficients in coeffs/;
-see README.md for what is available in this version.
+Drop-in activations that save their output (which the next layer saves anyway) plus one bit per
+element instead of their input, and compute the gradient from the output with a fitted
+approximation of f'(f^-1(y)). Imports torch alone; uses triton (CUDA) and numba (fast CPU
+backward) when installed.
 """
 
+from invact import functional
+from invact.modules import InvActGELU, InvActQuickGELU, InvActSiLU
+from invact.ops import backend_for
+
 __version__ = "0.1.0"
+__all__ = ["InvActGELU", "InvActQuickGELU", "InvActSiLU", "backend_for", "functional"]

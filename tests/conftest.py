@@ -1,16 +1,18 @@
-"""Shared pytest setup: `gpu` tests are skipped where CUDA is absent."""
+"""Shared pytest setup: `gpu` tests are skipped where CUDA is absent, and without CUDA the Triton
+kernels run under the interpreter (TRITON_INTERPRET=1 must be set before they are first compiled)."""
+
+import os
 
 import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if has_cuda:
+    if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -5,6 +5,7 @@ Guards added to the written formulas, none of which changes a value on the branc
   gives the cusp value instead of NaN or an extrapolation; other sqrt arguments are clamped at 0;
 - y~ = y - y_min is capped at Y_TILDE_CAP in the exp(c3*(c4 - y~)^3) forms: past it the exp factor is
   0 in float64 for any c3 > 1e-9, and the cap keeps the cube and the prefactor finite (no 0 * inf);
+  SiLU's (1 - y) factor there is capped the same way (fp32 y near 3e38 times the prefactor overflows);
 - SiLU's f' = p*(1 - y) + y is written as 1 + (1 - y)*(p - 1) on the right branch, where p -> 1 and
   the printed form cancels catastrophically for large y (FACTS.md).
 
@@ -75,7 +76,8 @@ def silu_forms(act: Activation) -> dict[str, BranchForm]:
     y, yt = _y_clamped(act), _y_tilde(act)
     p_left = c[0] + c[1] * sqrt(yt) + c[2] * yt + c[3] * yt**2
     left = p_left * (1 - y) + y
-    right = 1 + (1 - y) * _saturating_exp_term(act)  # = p*(1 - y) + y with p = 1 + term
+    y_capped = Min(y, sympy.Float(Y_TILDE_CAP, 17))  # past the cap the exp term is 0: nothing changes
+    right = 1 + (1 - y_capped) * _saturating_exp_term(act)  # = p*(1 - y) + y with p = 1 + term
     return {"left": BranchForm(left, _start(SILU_LEFT)), "right": BranchForm(right, _start(SILU_RIGHT))}
 
 

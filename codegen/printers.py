@@ -1,0 +1,154 @@
+"""Sympy printers: one branch expression in y, printed as a Triton, a torch or a scalar (numba) function.
+
+Every printer works on the common-subexpression-eliminated form (sympy.cse), so a clamp such as
+Max(y, y_min) that appears five times in the expression is computed once. Integer powers become
+multiplications (x**3 -> x*x*x): pow() is slower and does not vectorize on CPU. Floats are printed
+with repr, all 17 significant digits; kernels compute in fp32, where they round once.
+"""
+
+from __future__ import annotations
+
+import sympy
+from sympy.printing.pycode import PythonCodePrinter
+
+Y = sympy.Symbol("y", real=True)
+
+
+class _ElementwisePrinter(PythonCodePrinter):
+    """Shared logic; subclasses name the library calls."""
+
+    SQRT = EXP = LOG = ABS = ""
+
+    def _print_Float(self, expr: sympy.Float) -> str:
+        return self._literal(repr(float(expr)))
+
+    def _print_Rational(self, expr: sympy.Rational) -> str:
+        return self._literal(repr(float(expr)))
+
+    def _print_Integer(self, expr: sympy.Integer) -> str:
+        return self._literal(f"{int(expr)}.0")
+
+    def _literal(self, text: str) -> str:
+        return text
+
+    def _print_Pow(self, expr: sympy.Pow, rational: bool = False) -> str:
+        base, k = expr.base, expr.exp
+        b = self.parenthesize(base, sympy.printing.precedence.PRECEDENCE["Mul"] + 1)
+        if k == sympy.S.Half:
+            return f"{self.SQRT}({self._print(base)})"
+        if k == -sympy.S.Half:
+            return f"{self._literal('1.0')} / {self.SQRT}({self._print(base)})"
+        if k.is_Integer and 1 <= abs(int(k)) <= 8:
+            product = "*".join([b] * abs(int(k)))
+            return f"({product})" if k > 0 else f"({self._literal('1.0')} / ({product}))"
+        return f"{self.EXP}({self._print(k)} * {self.LOG}({self._print(base)}))"
+
+    def _print_exp(self, expr: sympy.exp) -> str:
+        return f"{self.EXP}({self._print(expr.args[0])})"
+
+    def _print_log(self, expr: sympy.log) -> str:
+        return f"{self.LOG}({self._print(expr.args[0])})"
+
+    def _print_Abs(self, expr: sympy.Abs) -> str:
+        return f"{self.ABS}({self._print(expr.args[0])})"
+
+    def _fold(self, fn: str, args: tuple[sympy.Expr, ...]) -> str:
+        text = self._print(args[0])
+        for a in args[1:]:
+            text = f"{fn}({text}, {self._print(a)})"
+        return text
+
+    def _print_Piecewise(self, expr: sympy.Piecewise) -> str:
+        *rest, (last_value, last_cond) = expr.args
+        if last_cond is not sympy.true:
+            raise ValueError("Piecewise needs a final True branch to be printed elementwise")
+        text = self._print(last_value)
+        for value, cond in reversed(rest):
+            text = f"{self.WHERE}({self._print(cond)}, {self._print(value)}, {text})"
+        return text
+
+
+class TritonPrinter(_ElementwisePrinter):
+    SQRT, EXP, LOG, ABS, WHERE = "tl.sqrt", "tl.exp", "tl.log", "tl.abs", "tl.where"
+
+    def _print_Max(self, expr: sympy.Max) -> str:
+        return self._fold("tl.maximum", expr.args)
+
+    def _print_Min(self, expr: sympy.Min) -> str:
+        return self._fold("tl.minimum", expr.args)
+
+
+class TorchPrinter(_ElementwisePrinter):
+    """Tensor code: Max/Min with a number become clamp_min/clamp_max (torch.maximum needs tensors)."""
+
+    SQRT, EXP, LOG, ABS, WHERE = "torch.sqrt", "torch.exp", "torch.log", "torch.abs", "torch.where"
+
+    def _clamp(self, expr: sympy.Expr, tensor_fn: str, clamp_fn: str) -> str:
+        numbers = [a for a in expr.args if a.is_number]
+        others = [a for a in expr.args if not a.is_number]
+        text = self._fold(tensor_fn, tuple(others))
+        for n in numbers:
+            text = f"torch.{clamp_fn}({text}, {self._print(n)})"
+        return text
+
+    def _print_Max(self, expr: sympy.Max) -> str:
+        return self._clamp(expr, "torch.maximum", "clamp_min")
+
+    def _print_Min(self, expr: sympy.Min) -> str:
+        return self._clamp(expr, "torch.minimum", "clamp_max")
+
+
+class ScalarPrinter(_ElementwisePrinter):
+    """fp32 scalar code for numba: literals typed F(...) (np.float32), exp/log from invact._cpu_math,
+    whose versions vectorize (libm's do not)."""
+
+    SQRT, EXP, LOG, ABS = "math.sqrt", "exp32", "log32", "abs"
+
+    def _literal(self, text: str) -> str:
+        return f"F({text})"
+
+    def _print_Max(self, expr: sympy.Max) -> str:
+        return self._fold("max", expr.args)
+
+    def _print_Min(self, expr: sympy.Min) -> str:
+        return self._fold("min", expr.args)
+
+    def _print_Piecewise(self, expr: sympy.Piecewise) -> str:
+        *rest, (last_value, last_cond) = expr.args
+        if last_cond is not sympy.true:
+            raise ValueError("Piecewise needs a final True branch")
+        text = self._print(last_value)
+        for value, cond in reversed(rest):
+            text = f"({self._print(value)} if {self._print(cond)} else {text})"
+        return text
+
+
+def _hoist_power_bases(expr: sympy.Expr, symbols, out: list) -> sympy.Expr:
+    """Replace the compound base of each small integer power by a temporary appended to `out`, so
+    (a + b)**3 prints as t*t*t instead of repeating a + b three times."""
+
+    def is_target(e: sympy.Expr) -> bool:
+        return e.is_Pow and e.exp.is_Integer and 2 <= abs(int(e.exp)) <= 8 and not e.base.is_Symbol
+
+    def hoist(e: sympy.Expr) -> sympy.Expr:
+        name = next(symbols)
+        out.append((name, e.base))
+        return sympy.Pow(name, e.exp)
+
+    return expr.replace(is_target, hoist)
+
+
+def function_body(expression: sympy.Expr, printer: _ElementwisePrinter, indent: str = "    ") -> str:
+    """Lines computing `expression` of y: temporaries t0, t1, ... then `return ...`."""
+    if expression.free_symbols - {Y}:
+        raise ValueError(f"free symbols besides y: {sorted(map(str, expression.free_symbols - {Y}))}")
+    symbols = sympy.numbered_symbols("t")
+    replacements, (reduced,) = sympy.cse(expression, symbols=symbols)
+    steps: list[tuple[sympy.Symbol, sympy.Expr]] = []
+    for name, value in replacements:
+        value = _hoist_power_bases(value, symbols, steps)
+        steps.append((name, value))
+    reduced = _hoist_power_bases(reduced, symbols, steps)
+    lines = [f"{indent}{name} = {printer.doprint(value)}" for name, value in steps]
+    lines.append(f"{indent}return {printer.doprint(reduced)}")
+    return "\n".join(lines)

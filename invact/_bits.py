@@ -1,0 +1,46 @@
+"""Branch bits: pack/unpack (LSB first: element i is bit i % 8 of byte i // 8) and the precision-bit
+variant, where the bit replaces the lowest mantissa bit of y itself. Plain torch ops, any device."""
+
+from __future__ import annotations
+
+import torch
+
+# Multiplying 8 bytes that are each 0 or 1 (one int64, byte k = element k) by this constant puts
+# element k at bit 56 + k; the other partial products land below bit 56 or past bit 63, at distinct
+# positions, so nothing carries into the top byte. Written as the int64 with the same bits.
+_GATHER = 0x0102040810204080
+_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def packed_size(n: int) -> int:
+    return (n + 7) // 8
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """1-D bool (n,) -> uint8 (ceil(n/8),)."""
+    n = mask.numel()
+    pad = (-n) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    return ((mask.view(torch.uint8).view(torch.int64) * _GATHER) >> 56).to(torch.uint8)
+
+
+def unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 (ceil(n/8),) -> bool (n,)."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(-1)[:n].bool()
+
+
+def with_lsb(y: torch.Tensor, bit: torch.Tensor) -> torch.Tensor:
+    """y with its lowest mantissa bit replaced by `bit` (bool, same shape): at most 1 ulp away."""
+    ints = y.view(_INT_OF[y.dtype])
+    return ((ints & ~1) | bit.to(ints.dtype)).view(y.dtype)
+
+
+def lsb(y: torch.Tensor) -> torch.Tensor:
+    """The bit stored by with_lsb, as bool."""
+    return (y.view(_INT_OF[y.dtype]) & 1).bool()
+
+
+def supports_precision_bit(dtype: torch.dtype) -> bool:
+    return dtype in _INT_OF

@@ -1,0 +1,54 @@
+"""Drop-in nn.Modules: InvActGELU, InvActSiLU, InvActQuickGELU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from invact import functional
+
+
+class _InvAct(nn.Module):
+    def __init__(self, mode: str = "bits") -> None:
+        super().__init__()
+        if mode not in ("bits", "precision_bit"):
+            raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
+        self.mode = mode
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}"
+
+
+class InvActGELU(_InvAct):
+    """nn.GELU(approximate="none"|"tanh") that saves its output and one bit instead of its input."""
+
+    def __init__(self, approximate: str = "none", mode: str = "bits") -> None:
+        super().__init__(mode)
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.gelu(x, self.approximate, self.mode)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}, {super().extra_repr()}"
+
+
+class InvActSiLU(_InvAct):
+    """nn.SiLU that saves its output and one bit instead of its input. `inplace` is accepted for
+    drop-in compatibility and ignored: InvAct never keeps the input, so it saves the memory anyway."""
+
+    def __init__(self, inplace: bool = False, mode: str = "bits") -> None:
+        super().__init__(mode)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.silu(x, self.mode)
+
+
+class InvActQuickGELU(_InvAct):
+    """x * sigmoid(1.702 x) (CLIP's quick_gelu) that saves its output and one bit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.quick_gelu(x, self.mode)

@@ -1,0 +1,163 @@
+"""The InvAct operator: torch.library custom ops `invact::forward` / `invact::backward` with fake
+implementations (torch.compile traces them without graph breaks) and autograd.
+
+Saved for backward: y (the output: the next layer saves the same storage) and ceil(n/8) bytes of
+bits, or nothing extra in precision-bit mode. Backends: Triton for CUDA tensors, torch (with the
+numba kernel when installed) for CPU, INVACT_BACKEND=torch|triton to override. float64 takes the
+exact path (inversion in float64), so gradcheck holds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from invact import _bits, _cpu, _exact
+from invact.activations import ACTIVATIONS, Activation
+
+BACKENDS = ("torch", "triton")
+_EXACT_DTYPES = (torch.float64,)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """INVACT_BACKEND if set, else triton for CUDA tensors (when installed), else torch."""
+    choice = os.environ.get("INVACT_BACKEND", "").strip().lower()
+    if choice:
+        if choice not in BACKENDS:
+            raise ValueError(f"INVACT_BACKEND={choice!r}: expected one of {', '.join(BACKENDS)}")
+        if choice == "triton" and not _triton_available():
+            raise RuntimeError("INVACT_BACKEND=triton but triton is not installed")
+        return choice
+    return "triton" if t.is_cuda and _triton_available() else "torch"
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill one block of storage, in some dimension order."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor in storage order (contiguous, channels_last, any permutation)."""
+    return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _shaped_like(flat: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Inverse of _flat for a fresh buffer: `flat` seen with ref's shape and strides."""
+    return flat.as_strided(ref.shape, ref.stride())
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """t laid out with ref's strides, so both flatten to the same element order."""
+    return t if t.stride() == ref.stride() else torch.empty_like(ref, dtype=t.dtype).copy_(t)
+
+
+def _is_left(x_flat: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The bit: x < T, compared in fp32 for half types (as the Triton kernels do), else in x's dtype."""
+    xs = x_flat if x_flat.dtype in (torch.float32, torch.float64) else x_flat.float()
+    return xs < threshold
+
+
+@torch.library.custom_op("invact::forward", mutates_args=())
+def _forward(x: torch.Tensor, activation: str, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    act = ACTIVATIONS[activation]
+    x = x if _is_dense(x) else x.contiguous()
+    exact = x.dtype in _EXACT_DTYPES
+    if backend_for(x) == "triton" and not exact:
+        from invact import _triton
+
+        y = torch.empty_like(x)
+        bits = _triton.forward(activation, act.threshold, _flat(x), _flat(y), precision_bit)
+        return y, bits
+    y = act.torch_forward(x)
+    left = _is_left(_flat(_like(x, y)), act.threshold)
+    if precision_bit and not exact:
+        return _bits.with_lsb(y, _shaped_like(left, y)), x.new_empty(0, dtype=torch.uint8)
+    return y, _bits.pack(left)
+
+
+@_forward.register_fake
+def _(x, activation, precision_bit):
+    n_bytes = 0 if (precision_bit and x.dtype not in _EXACT_DTYPES) else _bits.packed_size(x.numel())
+    return torch.empty_like(x), x.new_empty(n_bytes, dtype=torch.uint8)
+
+
+@torch.library.custom_op("invact::backward", mutates_args=())
+def _backward(
+    dy: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, activation: str, precision_bit: bool
+) -> torch.Tensor:
+    act = ACTIVATIONS[activation]
+    y_flat, dy_flat = _flat(y), _flat(_like(dy, y))
+    if y.dtype in _EXACT_DTYPES:
+        q = _exact.derivative_from_output(act, y_flat, _bits.unpack(bits, y.numel()))
+        dx = (dy_flat * q).to(dy.dtype)
+    elif backend_for(y) == "triton":
+        from invact import _triton
+
+        dx = _triton.backward(activation, y_flat, bits, dy_flat, precision_bit)
+    elif _cpu.available() and y.device.type == "cpu":
+        if precision_bit:
+            dx = _cpu.backward(activation, y_flat, dy_flat, mask=_bits.lsb(y_flat))
+        else:
+            dx = _cpu.backward(activation, y_flat, dy_flat, bits=bits)
+    else:
+        dx = torch_backward(act, y_flat, bits, dy_flat, precision_bit)
+    return _shaped_like(dx, y)
+
+
+def torch_backward(act: Activation, y, bits, dy, precision_bit: bool) -> torch.Tensor:
+    """The portable backward from the generated torch functions (flat tensors, any device)."""
+    left = _bits.lsb(y) if precision_bit else _bits.unpack(bits, y.numel())
+    y32 = y.float()
+    q = torch.where(left, act.generated.q_left(y32), act.generated.q_right(y32))
+    q = torch.where(torch.isfinite(y32), q, torch.nan)  # x = +-inf or NaN: NaN, as torch
+    return (dy.float() * q).to(dy.dtype)
+
+
+@_backward.register_fake
+def _(dy, y, bits, activation, precision_bit):
+    return torch.empty_like(y, dtype=dy.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    _, activation, precision_bit = inputs
+    y, bits = output
+    ctx.activation, ctx.precision_bit = activation, precision_bit
+    ctx.mark_non_differentiable(bits)
+    ctx.save_for_backward(y, bits)
+
+
+def _autograd_backward(ctx, dy, _dbits):
+    y, bits = ctx.saved_tensors
+    return torch.ops.invact.backward(dy, y, bits, ctx.activation, ctx.precision_bit), None, None
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor:
+    """y = f(x), saving y and the branch bits for backward. `mode`: "bits" or "precision_bit"."""
+    if mode not in ("bits", "precision_bit"):
+        raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
+    act = ACTIVATIONS[activation]
+    if not x.is_floating_point():
+        return act.torch_forward(x)  # raises torch's own error for integer input
+    if mode == "precision_bit" and not (_bits.supports_precision_bit(x.dtype) or x.dtype in _EXACT_DTYPES):
+        raise TypeError(f"precision_bit mode supports float32, float16 and bfloat16, not {x.dtype}")
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return act.torch_forward(x)  # nothing to save: torch's op as is
+    y, _ = torch.ops.invact.forward(x, activation, mode == "precision_bit")
+    return y
