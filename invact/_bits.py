@@ -31,15 +31,21 @@ def unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).view(-1)[:n].bool()
 
 
-def with_lsb(y: torch.Tensor, bit: torch.Tensor) -> torch.Tensor:
-    """y with its lowest mantissa bit replaced by `bit` (bool, same shape): at most 1 ulp away."""
-    ints = y.view(_INT_OF[y.dtype])
-    return ((ints & ~1) | bit.to(ints.dtype)).view(y.dtype)
+def int_view(y: torch.Tensor) -> torch.Tensor:
+    """y's bits as a signed integer tensor of the same width (no copy)."""
+    return y.view(_INT_OF[y.dtype])
+
+
+def set_lsb_(y: torch.Tensor, bit: torch.Tensor) -> torch.Tensor:
+    """Replace y's lowest mantissa bit by `bit` (bool, same shape), in place: y moves by at most 1 ulp."""
+    ints = int_view(y)
+    ints.bitwise_and_(-2).bitwise_or_(bit)
+    return y
 
 
 def lsb(y: torch.Tensor) -> torch.Tensor:
-    """The bit stored by with_lsb, as bool."""
-    return (y.view(_INT_OF[y.dtype]) & 1).bool()
+    """The bit stored by set_lsb_, as bool."""
+    return (int_view(y) & 1).bool()
 
 
 def supports_precision_bit(dtype: torch.dtype) -> bool:

@@ -74,18 +74,18 @@ def _is_left(x_flat: torch.Tensor, threshold: float) -> torch.Tensor:
 @torch.library.custom_op("invact::forward", mutates_args=())
 def _forward(x: torch.Tensor, activation: str, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
     act = ACTIVATIONS[activation]
-    x = x if _is_dense(x) else x.contiguous()
     exact = x.dtype in _EXACT_DTYPES
     if backend_for(x) == "triton" and not exact:
         from invact import _triton
 
+        x = x if _is_dense(x) else x.contiguous()
         y = torch.empty_like(x)
         bits = _triton.forward(activation, act.threshold, _flat(x), _flat(y), precision_bit)
         return y, bits
-    y = act.torch_forward(x)
+    y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
     left = _is_left(_flat(_like(x, y)), act.threshold)
     if precision_bit and not exact:
-        return _bits.with_lsb(y, _shaped_like(left, y)), x.new_empty(0, dtype=torch.uint8)
+        return _bits.set_lsb_(y, _shaped_like(left, y)), x.new_empty(0, dtype=torch.uint8)  # y is ours
     return y, _bits.pack(left)
 
 
@@ -110,7 +110,7 @@ def _backward(
         dx = _triton.backward(activation, y_flat, bits, dy_flat, precision_bit)
     elif _cpu.available() and y.device.type == "cpu":
         if precision_bit:
-            dx = _cpu.backward(activation, y_flat, dy_flat, mask=_bits.lsb(y_flat))
+            dx = _cpu.backward(activation, y_flat, dy_flat, flags=_bits.int_view(y_flat))
         else:
             dx = _cpu.backward(activation, y_flat, dy_flat, bits=bits)
     else:
@@ -137,11 +137,15 @@ def _setup_context(ctx, inputs, output):
     y, bits = output
     ctx.activation, ctx.precision_bit = activation, precision_bit
     ctx.mark_non_differentiable(bits)
-    ctx.save_for_backward(y, bits)
+    if bits.numel():
+        ctx.save_for_backward(y, bits)
+    else:  # precision-bit mode (or an empty input): nothing beyond y
+        ctx.save_for_backward(y)
 
 
 def _autograd_backward(ctx, dy, _dbits):
-    y, bits = ctx.saved_tensors
+    y, *rest = ctx.saved_tensors
+    bits = rest[0] if rest else y.new_empty(0, dtype=torch.uint8)  # precision-bit mode saves y alone
     return torch.ops.invact.backward(dy, y, bits, ctx.activation, ctx.precision_bit), None, None
 
 
