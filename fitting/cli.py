@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--codegen",
         action="store_true",
-        help="regenerate the kernels after the fit (no code generator exists in this version yet)",
+        help="then regenerate invact/_generated/ (python -m codegen) from coeffs/defaults.json's families",
     )
     return parser
 
@@ -138,7 +138,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         save_figure(fit, args.plot)
         print(f"plot written to {args.plot}")
     if args.codegen:
-        console.print("--codegen: this version has no code generator yet; only the JSON was written")
+        from codegen.__main__ import main as regenerate
+
+        return regenerate([])
     return 0
 
 

@@ -72,3 +72,14 @@ def test_full_run_writes_valid_json_byte_identically_and_a_plot(tmp_path):
     assert again.returncode == 0 and out.read_bytes() == data
     assert sorted(p.name for p in out.parent.iterdir()) == ["silu.json"]
     assert json.loads(data)["schema"] == "invact-coeffs/1"
+
+
+@pytest.mark.slow
+def test_codegen_flag_regenerates_the_runtime_modules(tmp_path, monkeypatch, capsys):
+    import codegen.__main__ as codegen_main
+
+    monkeypatch.setattr(codegen_main, "GENERATED", tmp_path / "generated")
+    assert main(["silu", "--family", "paper", "--out", str(tmp_path / "silu.json"), "--codegen"]) == 0
+    written = sorted(p.name for p in (tmp_path / "generated").iterdir())
+    assert "silu_triton.py" in written and "gelu_cpu.py" in written and "__init__.py" in written
+    assert "wrote invact/_generated/silu.py" in capsys.readouterr().out
