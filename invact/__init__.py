@@ -6,9 +6,19 @@ approximation of f'(f^-1(y)). Imports torch alone; uses triton (CUDA) and numba 
 backward) when installed.
 """
 
-from invact import functional
+from invact import functional, memory
 from invact.modules import InvActGELU, InvActQuickGELU, InvActSiLU
 from invact.ops import backend_for
+from invact.patch import patch, plan
 
 __version__ = "0.1.0"
-__all__ = ["InvActGELU", "InvActQuickGELU", "InvActSiLU", "backend_for", "functional"]
+__all__ = [
+    "InvActGELU",
+    "InvActQuickGELU",
+    "InvActSiLU",
+    "backend_for",
+    "functional",
+    "memory",
+    "patch",
+    "plan",
+]
