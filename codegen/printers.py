@@ -64,8 +64,11 @@ class _ElementwisePrinter(PythonCodePrinter):
             raise ValueError("Piecewise needs a final True branch to be printed elementwise")
         text = self._print(last_value)
         for value, cond in reversed(rest):
-            text = f"{self.WHERE}({self._print(cond)}, {self._print(value)}, {text})"
+            text = self._select(self._print(cond), self._print(value), text)
         return text
+
+    def _select(self, cond: str, if_true: str, if_false: str) -> str:
+        return f"{self.WHERE}({cond}, {if_true}, {if_false})"
 
 
 class TritonPrinter(_ElementwisePrinter):
@@ -113,14 +116,8 @@ class ScalarPrinter(_ElementwisePrinter):
     def _print_Min(self, expr: sympy.Min) -> str:
         return self._fold("min", expr.args)
 
-    def _print_Piecewise(self, expr: sympy.Piecewise) -> str:
-        *rest, (last_value, last_cond) = expr.args
-        if last_cond is not sympy.true:
-            raise ValueError("Piecewise needs a final True branch")
-        text = self._print(last_value)
-        for value, cond in reversed(rest):
-            text = f"({self._print(value)} if {self._print(cond)} else {text})"
-        return text
+    def _select(self, cond: str, if_true: str, if_false: str) -> str:
+        return f"({if_true} if {cond} else {if_false})"
 
 
 def _hoist_power_bases(expr: sympy.Expr, symbols, out: list) -> sympy.Expr:

@@ -67,5 +67,7 @@ def test_printers_on_small_expressions():
     assert "tl.maximum(-1.0, y)" in triton_body and "tl.exp(-1.5 * tl.log(y))" in triton_body
     scalar_body = function_body(sympy.exp(Y) + 1, ScalarPrinter())
     assert scalar_body.strip() == "return exp32(y) + F(1.0)"
+    piecewise = function_body(sympy.Piecewise((Y, Y < 0), (2 * Y, True)), ScalarPrinter())
+    assert piecewise.strip() == "return (y if (y < F(0.0)) else F(2.0)*y)"
     with pytest.raises(ValueError, match="free symbols besides y"):
         function_body(Y + sympy.Symbol("c0"), TorchPrinter())
