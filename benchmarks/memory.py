@@ -1,0 +1,258 @@
+"""Saved-activation memory of transformer models: torch eager, InvAct (bits, precision-bit) and
+torch.compile (default, and with activation_memory_budget), against the ideal saving and the paper.
+
+Every model is built from a transformers config with random weights (nothing is downloaded), in
+train mode, batch 1, fp32, SDPA attention, all dropout probabilities 0 (with attention dropout > 0
+CPU attention keeps its probability matrix, and the share saved falls). Bytes are what autograd
+saves in one forward pass (invact.memory.saved_tensors: distinct storages, parameters excluded).
+The torch.compile columns use the min-cut partitioner inductor uses (backend
+aot_eager_decomp_partition: the same decision of what to save, without inductor's code generation).
+
+The ideal: per activation call, its input (n * 4 bytes) is no longer saved and ceil(n / 8) bytes of
+bits are. Prints a markdown table and writes benchmarks/results/memory_<device>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import invact
+from invact.memory import saved_tensors
+from invact.patch import REPLACEABLE
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAPER = {"BERT-base": -22.9, "AST": -24.0, "ViT-B/16": -23.8, "CLIP ViT-L/14": -23.4}  # FACTS.md
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+@dataclass
+class Case:
+    name: str
+    setup: str  # what the input is
+    build: Callable[[bool], tuple[nn.Module, dict]]  # small -> (model, inputs)
+
+
+def _bert(small):
+    from transformers import BertConfig, BertModel
+
+    seq = 64 if small else 1024
+    cfg = BertConfig(max_position_embeddings=seq, **NO_DROPOUT, attn_implementation="sdpa",
+                     **(_TINY if small else {}))  # fmt: skip
+    return BertModel(cfg), {"input_ids": torch.randint(0, 1000, (1, seq))}
+
+
+def _ast(small):
+    from transformers import ASTConfig, ASTModel
+
+    length, bins = (128, 32) if small else (1024, 128)
+    cfg = ASTConfig(max_length=length, num_mel_bins=bins, **NO_DROPOUT, attn_implementation="sdpa",
+                    **(_TINY if small else {}))  # fmt: skip
+    return ASTModel(cfg), {"input_values": torch.randn(1, length, bins)}
+
+
+def _vit(small):
+    from transformers import ViTConfig, ViTModel
+
+    size = 32 if small else 224
+    shape = {"image_size": size, "patch_size": 8 if small else 16, **(_TINY if small else {})}
+    cfg = ViTConfig(**shape, **NO_DROPOUT, attn_implementation="sdpa")
+    return ViTModel(cfg), {"pixel_values": torch.randn(1, 3, size, size)}
+
+
+def _clip(small):
+    from transformers import CLIPConfig, CLIPModel
+
+    if small:
+        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      image_size=32, patch_size=8)  # fmt: skip
+        text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    else:  # ViT-L/14 at 224 and CLIP's text tower; both use quick_gelu
+        vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                      image_size=224, patch_size=14)  # fmt: skip
+        text = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
+    cfg = CLIPConfig(text_config={**text, "max_position_embeddings": 77}, vision_config=vision,
+                     projection_dim=64 if small else 768, attn_implementation="sdpa")  # fmt: skip
+    size = vision["image_size"]
+    inputs = {"input_ids": torch.randint(0, 1000, (1, 77)), "pixel_values": torch.randn(1, 3, size, size)}
+    return CLIPModel(cfg), inputs
+
+
+def _gpt2(small):
+    from transformers import GPT2Config, GPT2Model
+
+    seq = 64 if small else 1024
+    shape = {"n_positions": seq, **({"n_embd": 64, "n_layer": 2, "n_head": 4} if small else {})}
+    cfg = GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    return GPT2Model(cfg), {"input_ids": torch.randint(0, 1000, (1, seq))}
+
+
+def _decoder(kind):
+    def build(small):
+        from transformers import LlamaConfig, LlamaModel, MistralConfig, MistralModel
+
+        config_cls, model_cls = (
+            (LlamaConfig, LlamaModel) if kind == "llama" else (MistralConfig, MistralModel)
+        )
+        size = (dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2) if small else
+                dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                     num_key_value_heads=4))  # fmt: skip
+        seq = 64 if small else 1024
+        cfg = config_cls(**size, vocab_size=32000, attn_implementation="sdpa")
+        return model_cls(cfg), {"input_ids": torch.randint(0, 1000, (1, seq))}
+
+    return build
+
+
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+CASES = [
+    Case("BERT-base", "seq 1024", _bert),
+    Case("AST", "1024 x 128 spectrogram", _ast),
+    Case("ViT-B/16", "224 x 224", _vit),
+    Case("CLIP ViT-L/14", "224 x 224 image + 77 tokens", _clip),
+    Case("GPT-2 (gelu_new)", "seq 1024", _gpt2),
+    Case("Llama-style SwiGLU (8 x 1024)", "seq 1024", _decoder("llama")),
+    Case("Mistral-style SwiGLU (8 x 1024)", "seq 1024", _decoder("mistral")),
+]
+
+
+class _Call(nn.Module):
+    """model(**inputs) as a module of no arguments, so saved_tensors() can run it."""
+
+    def __init__(self, model: nn.Module, inputs: dict):
+        super().__init__()
+        self.model, self.inputs = model, inputs
+
+    def forward(self):
+        out = self.model(**self.inputs)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits_per_image
+
+
+def _ideal_saving(model: nn.Module, inputs: dict) -> int:
+    sizes = []
+    activations = [
+        m for m in model.modules() if f"{type(m).__module__}.{type(m).__qualname__}" in REPLACEABLE
+    ]
+    hooks = [m.register_forward_hook(lambda mod, i, o: sizes.append(o.numel() * o.element_size()))
+             for m in activations]  # fmt: skip
+    with torch.no_grad():
+        model(**inputs)
+    for h in hooks:
+        h.remove()
+    return sum(b - (b // 4 + 7) // 8 for b in sizes)  # fp32: n = b / 4 elements, ceil(n / 8) bytes of bits
+
+
+def _compiled_bytes(model: nn.Module, inputs: dict, budget: float | None) -> int:
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    with functorch_config.patch(activation_memory_budget=1.0 if budget is None else budget):
+        compiled = torch.compile(_Call(model, inputs), backend="aot_eager_decomp_partition")
+        saved_tensors(compiled)  # compile outside the measurement
+        return saved_tensors(compiled).saved_bytes
+
+
+def measure(case: Case, small: bool, compile_columns: bool, budget: float) -> dict:
+    torch.manual_seed(0)
+    model, inputs = case.build(small)
+    model.train()
+    row = {"model": case.name, "setup": case.setup if not small else "tiny config (smoke run)"}
+    row["torch_eager"] = saved_tensors(_Call(model, inputs)).saved_bytes
+    row["ideal_saving"] = _ideal_saving(model, inputs)
+    if compile_columns:
+        row["compile_default"] = _compiled_bytes(model, inputs, None)
+        row["compile_budget"] = _compiled_bytes(model, inputs, budget)
+    row["replaced"] = len(invact.patch(model))
+    row["invact_bits"] = saved_tensors(_Call(model, inputs)).saved_bytes
+    for m in model.modules():  # the same replaced modules, switched to precision-bit mode
+        if isinstance(m, (invact.InvActGELU, invact.InvActSiLU, invact.InvActQuickGELU)):
+            m.mode = "precision_bit"
+    row["invact_precision_bit"] = saved_tensors(_Call(model, inputs)).saved_bytes
+    row["paper_percent"] = PAPER.get(case.name)
+    del model
+    gc.collect()
+    return row
+
+
+def _pct(new: int, old: int) -> str:
+    return f"{100 * (new / old - 1):+.1f}%"
+
+
+def markdown(rows: list[dict], budget: float) -> str:
+    head = ["model", "input", "torch eager", "InvAct bits", "InvAct precision-bit"]
+    has_compile = "compile_default" in rows[0]
+    if has_compile:
+        head += ["torch.compile", f"torch.compile, budget {budget}"]
+    head += ["ideal", "achieved / ideal", "paper"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        base = r["torch_eager"]
+        cells = [r["model"], r["setup"], f"{base / 2**20:.0f} MiB", _pct(r["invact_bits"], base),
+                 _pct(r["invact_precision_bit"], base)]  # fmt: skip
+        if has_compile:
+            cells += [_pct(r["compile_default"], base), _pct(r["compile_budget"], base)]
+        achieved = (base - r["invact_bits"]) / r["ideal_saving"] if r["ideal_saving"] else float("nan")
+        paper = f"{r['paper_percent']:+.1f}%" if r["paper_percent"] is not None else ""
+        cells += [_pct(base - r["ideal_saving"], base), f"{100 * achieved:.0f}%", paper]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny configs: a smoke run for CI")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
+    parser.add_argument("--budget", type=float, default=0.5, help="activation_memory_budget (default 0.5)")
+    parser.add_argument("--only", nargs="*", help="run only models whose name contains one of these words")
+    parser.add_argument("--out", type=Path, help="output stem (default benchmarks/results/memory_cpu)")
+    args = parser.parse_args(argv)
+    if not 0 < args.budget <= 1:
+        parser.error("--budget must be in (0, 1]")
+    cases = [c for c in CASES if not args.only or any(w.lower() in c.name.lower() for w in args.only)]
+    if not cases:
+        parser.error(f"--only {args.only} matches none of: {', '.join(c.name for c in CASES)}")
+    rows = []
+    for case in cases:
+        t0 = time.perf_counter()
+        rows.append(measure(case, args.small, not args.no_compile, args.budget))
+        print(f"measured {case.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    table = markdown(rows, args.budget)
+    print("\n" + table)
+    import transformers
+
+    result = {
+        "device": f"cpu: {platform.processor() or platform.machine()}",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "settings": {
+            "small": args.small,
+            "budget": args.budget,
+            "dtype": "float32",
+            "batch": 1,
+            "attention": "sdpa",
+            "dropout": 0.0,
+            "compile_backend": "aot_eager_decomp_partition",
+        },  # fmt: skip
+        "rows": rows,
+    }
+    stem = args.out or RESULTS / "memory_cpu"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(table + "\n")
+    print(f"\nwritten to {stem.with_suffix('.json')} and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
