@@ -41,12 +41,11 @@ REPLACEABLE: dict[str, Factory] = {
     "transformers.activations.SiLUActivation": _SILU,
     # x/2 (1 + tanh(0.79788456 x (1 + 0.044715 x^2))): sqrt(2/pi) to 8 digits, 2e-9 relative, below fp32
     "transformers.models.bloom.modeling_bloom.BloomGelu": _TANH,
-    # timm.layers.activations
-    "timm.layers.activations.GELU": _EXACT,
-    "timm.layers.activations.GELUTanh": _TANH,
-    "timm.layers.activations.QuickGELU": _QUICK,
+    # timm.layers.activations (checked against its source; timm itself uses nn.SiLU for SiLU)
+    "timm.layers.activations.GELU": _EXACT,  # F.gelu
+    "timm.layers.activations.GELUTanh": _TANH,  # F.gelu(approximate="tanh")
+    "timm.layers.activations.QuickGELU": _QUICK,  # x sigmoid(1.702 x)
     "timm.layers.activations.Swish": _SILU,  # x sigmoid(x)
-    "timm.layers.activations.SiLU": _SILU,
 }
 
 # Activations deliberately left alone, with the reason.
@@ -65,6 +64,13 @@ SKIPPED: dict[str, str] = {
     "torch.nn.modules.activation.Tanh": "torch already saves only its output",
     "torch.nn.modules.activation.Sigmoid": "torch already saves only its output",
     "torch.nn.modules.activation.Hardswish": "no fitted family for hardswish",
+    "timm.layers.activations.Mish": "no fitted family for mish yet",
+    "timm.layers.activations.Tanh": "torch already saves only its output",
+    "timm.layers.activations.Sigmoid": "torch already saves only its output",
+    "timm.layers.activations.HardSwish": "no fitted family for hardswish",
+    "timm.layers.activations.HardSigmoid": "piecewise linear: needs only its output's range",
+    "timm.layers.activations.HardMish": "no fitted family for hard mish",
+    "timm.layers.activations.PReLU": "has a trainable slope",
 }
 _ACTIVATION_LIKE = re.compile(
     r"gelu|silu|swish|mish|relu|elu|tanh|sigmoid|softplus|activation", re.IGNORECASE

@@ -182,3 +182,34 @@ def test_memory_report_is_readable_and_counts_once():
     assert after.by_dtype["uint8"] == n // 8
     assert "saved for backward:" in str(after) and "MiB" in str(after)
     assert after.saving_vs(before) < 0
+
+
+def test_peft_lora_wrapped_model_trains():
+    peft = pytest.importorskip("peft")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    base = BertModel(
+        BertConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2)
+    )
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["query", "value"]))
+    replaced = invact.patch(model)
+    assert len(replaced) == 2 and all(name.endswith("intermediate_act_fn") for name in replaced)
+    out = model(input_ids=torch.randint(0, 100, (2, 16))).last_hidden_state
+    out.square().mean().backward()
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(p.grad is not None for p in lora)
+    assert any(p.grad.abs().sum() > 0 for p in lora)
+
+
+def test_timm_classes_are_matched_by_qualified_name():
+    # timm cannot be installed here (it needs torchvision); a class with timm's qualified name and
+    # timm's formula for QuickGELU stands in for it.
+    quick = type("QuickGELU", (nn.Module,), {"forward": lambda self, x: x * torch.sigmoid(1.702 * x)})
+    quick.__module__ = "timm.layers.activations"
+    mish = type("Mish", (nn.Module,), {"forward": lambda self, x: x * torch.tanh(nn.functional.softplus(x))})
+    mish.__module__ = "timm.layers.activations"
+    model = nn.Sequential(nn.Linear(4, 4), quick(), nn.Linear(4, 4), mish())
+    assert invact.patch(model) == ["1"]
+    assert isinstance(model[1], invact.InvActQuickGELU)
+    assert invact.plan(model)[0].reason == "no fitted family for mish yet"
