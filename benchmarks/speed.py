@@ -1,39 +1,115 @@
-"""Forward+backward time of InvAct against torch's own activation, side by side in one process.
+"""Forward+backward time of InvAct against torch, side by side in one process: the paper's setups.
 
-Rows (this version): the bare activation on N elements, for gelu, gelu_tanh, silu and quick_gelu,
-torch eager vs InvAct bits vs InvAct precision-bit. Timing: runs interleaved (torch, bits, precision
-bit, torch, ...), median of --repeats each; on CUDA with CUDA events. Also the first-call latency of
-InvAct in a fresh process (numba compiles the CPU kernel on first use). Prints a markdown table and
-writes benchmarks/results/speed_<device>.json.
+Setups (FACTS.md's time table): the bare activation (gelu, gelu_tanh, silu, quick_gelu), Linear+GELU,
+an MLP block, GeGLU, BERT-base and a Llama-3.1-8B-shaped decoder (SiLU), each as torch eager,
+InvAct bits, InvAct precision-bit and (with --compile) torch.compile of the torch model. Runs are
+interleaved (torch, bits, precision-bit, compile, torch, ...) and the median of --repeats is
+reported; CUDA timings use CUDA events. Sizes: --preset paper is the paper's (for a GPU), cpu is
+scaled down for a 2-core machine, --small is a smoke run. On CUDA it also reports the bandwidth
+of the bare Triton kernels. Writes benchmarks/results/speed_<device>.json and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import invact
 from invact.activations import ACTIVATIONS
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-MODULES = {
-    "gelu": lambda mode: invact.InvActGELU(mode=mode),
-    "gelu_tanh": lambda mode: invact.InvActGELU("tanh", mode=mode),
-    "silu": lambda mode: invact.InvActSiLU(mode=mode),
-    "quick_gelu": lambda mode: invact.InvActQuickGELU(mode=mode),
+RESULTS = Path(__file__).resolve().parent / "results"
+# (elements of the bare activation, tokens x width of the Linear/MLP/GeGLU rows, BERT batch x seq x
+# layers, Llama batch x seq x layers)
+PRESETS = {
+    "paper": {
+        "elements": 2**25,
+        "tokens": 2**15,
+        "width": 2**10,
+        "bert": (64, 1024, 12),
+        "llama": (1, 512, 2),
+    },
+    "cpu": {"elements": 2**22, "tokens": 2**12, "width": 2**9, "bert": (1, 256, 2), "llama": (1, 128, 1)},
+    "small": {"elements": 2**12, "tokens": 2**6, "width": 2**5, "bert": (1, 16, 1), "llama": (1, 8, 1)},
+}
+TORCH_ACTIVATIONS = {
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "silu": nn.SiLU,
+    "quick_gelu": lambda: _QuickGELU(),
 }
 
 
-def _timer(device: str):
+class _QuickGELU(nn.Module):
+    def forward(self, x):
+        return ACTIVATIONS["quick_gelu"].torch_forward(x)
+
+
+class GeGLU(nn.Module):
+    """x -> gelu(x W_g) * (x W_u): the gated block of the paper's GeGLU row."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.proj, self.act = nn.Linear(width, 2 * hidden), nn.GELU()
+
+    def forward(self, x):
+        gate, up = self.proj(x).chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
+def setups(preset: dict, small: bool) -> list[tuple[str, Callable[[], nn.Module], Callable[[], dict]]]:
+    """(row name, model factory, input factory); inputs are keyword arguments of the model."""
+    n, t, w = preset["elements"], preset["tokens"], preset["width"]
+    rows = []
+    for name, make in TORCH_ACTIVATIONS.items():
+        model = lambda make=make: nn.Sequential(make())  # noqa: E731 - patch() replaces children
+        rows.append((f"{name} ({n} elements)", model, lambda n=n: {"input": torch.randn(n)}))
+    tokens = lambda: {"input": torch.randn(t, w)}  # noqa: E731
+    rows += [
+        (f"Linear+GELU ({t} x {w})", lambda: nn.Sequential(nn.Linear(w, w), nn.GELU()), tokens),
+        (f"MLP ({t}, {w} -> {4 * w} -> {w})", lambda: nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(),
+                                                                     nn.Linear(4 * w, w)), tokens),
+        (f"GeGLU ({t}, {w} -> {4 * w})", lambda: GeGLU(w, 4 * w), tokens),
+    ]  # fmt: skip
+    try:
+        import transformers
+    except ImportError:
+        return rows
+    b, s, layers = preset["bert"]
+    bert = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4} if small else {}
+    bert_config = dict(
+        num_hidden_layers=layers, max_position_embeddings=s, attn_implementation="sdpa", **bert
+    )
+    rows.append((
+        f"BERT-base (batch {b}, seq {s}, {layers} layers)",
+        lambda: transformers.BertModel(transformers.BertConfig(**bert_config)),
+        lambda: {"input_ids": torch.randint(0, 1000, (b, s))},
+    ))  # fmt: skip
+    b, s, layers = preset["llama"]
+    llama = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
+    if small:
+        llama = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    rows.append((
+        f"Llama-3.1-8B-shaped (batch {b}, seq {s}, {layers} layers)",
+        lambda: transformers.LlamaModel(transformers.LlamaConfig(num_hidden_layers=layers, vocab_size=32000,
+                                                                 attn_implementation="sdpa", **llama)),
+        lambda: {"input_ids": torch.randint(0, 1000, (b, s))},
+    ))  # fmt: skip
+    return rows
+
+
+def _timer(device: str) -> Callable[[Callable[[], None]], float]:
+    """Milliseconds of one call: CUDA events on GPU, perf_counter on CPU."""
     if device == "cuda":
 
         def run(fn):
@@ -54,45 +130,62 @@ def _timer(device: str):
     return run
 
 
-def fwd_bwd(fn, x, dy):
+def _step(model: nn.Module, inputs: dict) -> Callable[[], None]:
+    """One forward+backward; float inputs get requires_grad so bare activations have a backward."""
+
     def step():
-        xx = x.detach().requires_grad_()
-        fn(xx).backward(dy)
+        kwargs = {k: v.detach().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
+        out = model(**kwargs) if "input" not in kwargs else model(kwargs["input"])
+        out = getattr(out, "last_hidden_state", out)
+        out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
 
     return step
 
 
-def bench_activation(name: str, n: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
+def _invact_copy(model: nn.Module, mode: str) -> nn.Module:
+    patched = copy.deepcopy(model)
+    invact.patch(patched, mode=mode)
+    for name, child in list(patched.named_children()):
+        if isinstance(child, _QuickGELU):  # this file's stand-in for transformers' QuickGELUActivation
+            setattr(patched, name, invact.InvActQuickGELU(mode=mode))
+    return patched
+
+
+def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_model) -> dict:
     torch.manual_seed(0)
-    x = torch.randn(n, device=device, dtype=dtype)
-    dy = torch.randn(n, device=device, dtype=dtype)
-    steps = {
-        "torch_ms": fwd_bwd(ACTIVATIONS[name].torch_forward, x, dy),
-        "invact_ms": fwd_bwd(MODULES[name]("bits"), x, dy),
-        "precision_bit_ms": fwd_bwd(MODULES[name]("precision_bit"), x, dy),
+    model = make_model().to(device=device, dtype=dtype).train()
+    inputs = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+              for k, v in make_inputs().items()}  # fmt: skip
+    variants = {
+        "torch_ms": _step(model, inputs),
+        "invact_ms": _step(_invact_copy(model, "bits"), inputs),
+        "precision_bit_ms": _step(_invact_copy(model, "precision_bit"), inputs),
     }
+    if compile_model:
+        variants["compile_ms"] = _step(torch.compile(copy.deepcopy(model)), inputs)
     timer = _timer(device)
-    for step in steps.values():  # warm up: compilation, allocator
+    for step in variants.values():  # warm-up: compilation (numba, Triton, inductor), allocator
         step()
         step()
-    times = {k: [] for k in steps}
+    times = {k: [] for k in variants}
     for _ in range(repeats):
-        for k, step in steps.items():
+        for k, step in variants.items():
             times[k].append(timer(step))
-    row = {"name": f"{name} ({n} elements)", **{k: statistics.median(v) for k, v in times.items()}}
+    row = {"name": name, **{k: statistics.median(v) for k, v in times.items()}}
     row["invact_ratio"] = row["invact_ms"] / row["torch_ms"]
     row["precision_bit_ratio"] = row["precision_bit_ms"] / row["torch_ms"]
     return row
 
 
-def first_call_seconds(name: str, n: int, device: str) -> float:
-    """Wall time of the first InvAct forward+backward in a fresh interpreter (imports excluded)."""
+def first_call_seconds(device: str) -> float:
+    """Wall time of the first InvAct GELU forward+backward in a fresh interpreter (kernel compilation)."""
     code = (
         "import time, torch, invact\n"
-        f"x = torch.randn({n}, device={device!r}, requires_grad=True)\n"
-        f"m = {{'gelu': invact.InvActGELU(), 'gelu_tanh': invact.InvActGELU('tanh'),"
-        f" 'silu': invact.InvActSiLU(), 'quick_gelu': invact.InvActQuickGELU()}}[{name!r}]\n"
-        "t = time.perf_counter(); m(x).sum().backward(); print(time.perf_counter() - t)\n"
+        f"x = torch.randn(2**20, device={device!r}, requires_grad=True)\n"
+        "t = time.perf_counter(); invact.InvActGELU()(x).sum().backward()\n"
+        f"{'torch.cuda.synchronize()' if device == 'cuda' else ''}\n"
+        "print(time.perf_counter() - t)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
@@ -100,60 +193,113 @@ def first_call_seconds(name: str, n: int, device: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+# Datasheet HBM bandwidth, GB/s, by a substring of torch.cuda.get_device_name().
+PEAK_GBPS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "A100-SXM4-80GB": 2039.0}
+
+
+def kernel_bandwidth(dtype: torch.dtype, n: int, repeats: int) -> dict:
+    """CUDA only: GB/s of the bare Triton forward (x -> y, bits) and backward (y, bits, dy -> dx)."""
+    from invact import _triton
+
+    act = ACTIVATIONS["gelu"]
+    x = torch.randn(n, device="cuda", dtype=dtype)
+    y = torch.empty_like(x)
+    timer = _timer("cuda")
+    size = x.element_size()
+    bits = _triton.forward("gelu", act.threshold, x, y, False)
+    fwd = statistics.median(
+        timer(lambda: _triton.forward("gelu", act.threshold, x, y, False)) for _ in range(repeats)
+    )
+    bwd = statistics.median(
+        timer(lambda: _triton.backward("gelu", y, bits, x, False)) for _ in range(repeats)
+    )
+    copy_ms = statistics.median(timer(lambda: y.copy_(x)) for _ in range(repeats))
+    gb = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
+    return {
+        "elements": n,
+        "forward_gbps": gb(n * (2 * size) + n / 8, fwd),
+        "backward_gbps": gb(n * (3 * size) + n / 8, bwd),
+        "copy_gbps": gb(2 * n * size, copy_ms),  # what a plain copy achieves on this device
+        "peak_gbps": next((v for k, v in PEAK_GBPS.items() if k in torch.cuda.get_device_name()), None),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
-    )
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--elements", type=int, default=2**22, help="elements per tensor (default 2^22)")
+    parser.add_argument(
+        "--preset", choices=["paper", "cpu"], help="sizes (default: paper on cuda, cpu on cpu)"
+    )
+    parser.add_argument("--small", action="store_true", help="a smoke run: tiny sizes, 3 repeats, no compile")
     parser.add_argument("--repeats", type=int, default=25, help="timed runs per variant; medians reported")
-    parser.add_argument("--small", action="store_true", help="a quick smoke run (2^12 elements, 3 repeats)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time torch.compile of the torch model (default: on for cuda)")  # fmt: skip
+    parser.add_argument("--only", nargs="*", help="run only rows whose name contains one of these words")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/speed_<device>.json)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
-    if args.small:
-        args.elements, args.repeats = 2**12, 3
-    if args.elements < 1 or args.repeats < 1:
-        parser.error("--elements and --repeats must be positive")
+    if args.repeats < 1:
+        parser.error("--repeats must be positive")
+    preset = PRESETS["small" if args.small else args.preset or ("paper" if args.device == "cuda" else "cpu")]
+    repeats = 3 if args.small else args.repeats
+    compile_model = (args.device == "cuda") if args.compile is None else args.compile
+    compile_model = compile_model and not args.small
     dtype = getattr(torch, args.dtype)
     rows = []
-    for name in MODULES:
-        row = bench_activation(name, args.elements, dtype, args.device, args.repeats)
-        row["first_call_s"] = first_call_seconds(name, args.elements, args.device)
-        rows.append(row)
-    device = (
-        torch.cuda.get_device_name()
-        if args.device == "cuda"
-        else f"cpu: {platform.processor() or platform.machine()}"
-    )
-    print(f"{device}, {args.dtype}, forward+backward, median of {args.repeats} (ms)\n")
-    print("| setup | torch | InvAct bits | ratio | precision-bit | ratio | first call (s) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        cells = [r["name"], f"{r['torch_ms']:.2f}", f"{r['invact_ms']:.2f}", f"{r['invact_ratio']:.2f}x"]
-        cells += [
-            f"{r['precision_bit_ms']:.2f}",
-            f"{r['precision_bit_ratio']:.2f}x",
-            f"{r['first_call_s']:.2f}",
-        ]
-        print("| " + " | ".join(cells) + " |")
+    for name, make_model, make_inputs in setups(preset, args.small):
+        if args.only and not any(w.lower() in name.lower() for w in args.only):
+            continue
+        rows.append(measure_row(name, make_model, make_inputs, args.device, dtype, repeats, compile_model))
+        print(f"measured {name}", flush=True)
+    if not rows:
+        parser.error(f"--only {args.only} matched no row")
+    cpu = f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else cpu
     result = {
         "device": device,
         "torch": torch.__version__,
         "triton": _version("triton"),
         "numba": _version("numba"),
         "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
-        "settings": {"elements": args.elements, "repeats": args.repeats},
+        "settings": {
+            "preset": "small" if args.small else args.preset,
+            "repeats": repeats,
+            "compile": compile_model,
+        },
+        "first_call_s": first_call_seconds(args.device),
         "rows": rows,
     }
+    if args.device == "cuda":
+        result["kernel_bandwidth"] = kernel_bandwidth(dtype, preset["elements"], repeats)
+    print(markdown(result))
     out = args.out or RESULTS / f"speed_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwritten to {out}")
     return 0
+
+
+def markdown(result: dict) -> str:
+    has_compile = "compile_ms" in result["rows"][0]
+    head = ["setup", "torch (ms)", "InvAct bits", "ratio", "precision-bit", "ratio"]
+    head += ["torch.compile (ms)"] if has_compile else []
+    lines = [f"\n{result['device']}, {result['dtype']}, forward+backward, medians\n",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    for r in result["rows"]:
+        cells = [r["name"], f"{r['torch_ms']:.2f}", f"{r['invact_ms']:.2f}", f"{r['invact_ratio']:.2f}x"]
+        cells += [f"{r['precision_bit_ms']:.2f}", f"{r['precision_bit_ratio']:.2f}x"]
+        cells += [f"{r['compile_ms']:.2f}"] if has_compile else []
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\nfirst InvAct call in a fresh process: {result['first_call_s']:.2f} s")
+    if "kernel_bandwidth" in result:
+        bw = result["kernel_bandwidth"]
+        rates = f"forward {bw['forward_gbps']:.0f} GB/s, backward {bw['backward_gbps']:.0f} GB/s"
+        peak = f", datasheet peak {bw['peak_gbps']:.0f} GB/s" if bw["peak_gbps"] else ""
+        lines.append(f"bare kernels: {rates}, plain copy {bw['copy_gbps']:.0f} GB/s{peak}")
+    return "\n".join(lines)
 
 
 def _version(module: str) -> str | None:

@@ -1,4 +1,4 @@
-"""benchmarks/speed.py --small runs on CPU and writes its JSON (so the script never rots)."""
+"""benchmarks/speed.py --device cpu --small runs and writes its JSON (so the script never rots)."""
 
 import json
 import subprocess
@@ -6,24 +6,26 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "benchmarks" / "speed.py")
 
 
 def test_small_cpu_run(tmp_path):
     out = tmp_path / "speed.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "speed.py"),
-        "--device",
-        "cpu",
-        "--small",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--small", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert {"device", "torch", "triton", "dtype", "rows"} <= set(data)
-    assert len(data["rows"]) == 4
+    assert {"device", "torch", "triton", "dtype", "rows", "first_call_s"} <= set(data)
+    names = [row["name"] for row in data["rows"]]
+    for setup in ("gelu (", "silu (", "Linear+GELU", "MLP", "GeGLU", "BERT-base", "Llama-3.1-8B-shaped"):
+        assert any(name.startswith(setup) for name in names), setup
     for row in data["rows"]:
         assert row["torch_ms"] > 0 and row["invact_ms"] > 0 and row["precision_bit_ms"] > 0
-    assert "| gelu (4096 elements) |" in proc.stdout
+    assert "| GeGLU (64, 32 -> 128) |" in proc.stdout
+
+
+def test_bad_arguments():
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--repeats", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "must be positive" in proc.stderr
