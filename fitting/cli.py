@@ -21,6 +21,7 @@ from codegen.coeffs_json import CoeffsError, load, save
 from fitting.activations import ACTIVATIONS, UnknownActivation, get_activation
 from fitting.families import FAMILIES, UnknownFamily, get_family
 from fitting.pipeline import FamilyFit, fit_family
+from fitting.search import BACKENDS
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             f"activations: {', '.join(sorted(ACTIVATIONS))} (quick_gelu is silu rescaled: it reuses "
-            f"silu's fit). families: {', '.join(sorted(FAMILIES))}. "
+            f"silu's fit). families: {', '.join(sorted(FAMILIES))}, and search (symbolic regression; "
+            "see --search-backend). "
             "Example: invact-fit gelu --family paper --plot gelu.png"
         ),
     )
@@ -61,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="JSON",
         help="start from the coefficients of an existing coefficient file",
+    )
+    parser.add_argument(
+        "--search-backend", choices=BACKENDS, default="operon",
+        help="with --family search: operon (embedded) or pysr (needs Julia)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--budget", type=int, default=100, help="with --family search: generations (default 100)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="with --family search: random seed (default 0)")
+    parser.add_argument(
+        "--max-flops", type=int, help="with --family search: most flops per branch (default: the paper's)"
     )
     parser.add_argument(
         "--codegen",
@@ -100,6 +113,8 @@ def _start_from(init: Path, activation: str, family: str) -> dict[str, dict[str,
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    if args.family == "search":
+        return run_search(args, console)
     try:
         get_activation(args.activation)
         get_family(args.family, args.activation)
@@ -141,6 +156,59 @@ def run(args: argparse.Namespace, console: Console) -> int:
         from codegen.__main__ import main as regenerate
 
         return regenerate([])
+    return 0
+
+
+def run_search(args: argparse.Namespace, console: Console) -> int:
+    """--family search: symbolic search per branch, refined by this toolkit; writes the chosen
+    formula (coefficient JSON) and the Pareto front (<out stem>_front.json)."""
+    from fitting.search import SearchSettings, SearchUnavailable
+    from fitting.search import front as search_front
+
+    try:
+        act = get_activation(args.activation)
+    except UnknownActivation as e:
+        raise UsageError(str(e)) from None
+    if act.derivation:
+        raise UsageError(
+            f"search {act.name}'s base instead: invact-fit {act.derivation.base} --family search"
+        )
+    if args.budget < 1:
+        raise UsageError("--budget must be at least 1 generation")
+    if args.search_backend == "pysr":
+        from fitting.search.pysr import check_available
+
+        try:
+            check_available()
+        except SearchUnavailable as e:
+            raise UsageError(str(e)) from None
+    out = args.out or default_coeffs_dir() / args.activation / "search.json"
+    front_path = out.with_name(f"{out.stem}_front.json")
+    for path, what in ((out, "output"), (front_path, "front")):
+        _check_writable(path, what)
+    settings = SearchSettings(backend=args.search_backend, generations=args.budget, seed=args.seed)
+    limits = (
+        search_front.paper_flops(act)
+        if args.max_flops is None
+        else dict.fromkeys(("left", "right"), args.max_flops)
+    )
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        say = lambda m: bar.update(task, description=m)  # noqa: E731
+        fronts = {b: search_front.search_branch(act, b, settings, say) for b in ("left", "right")}
+    if not all(fronts.values()):
+        raise RuntimeError("the search found no candidate with a finite error on some branch; raise --budget")
+    chosen = {b: search_front.choose(f, (limits or {}).get(b)) for b, f in fronts.items()}
+    command = f"invact-fit {act.name} --family search --search-backend {args.search_backend}"
+    command += f" --budget {args.budget} --seed {args.seed}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(search_front.coeff_file(act, chosen, command, settings), out)
+    search_front.write_front(front_path, act, fronts, settings)
+    from fitting.search.report import print_fronts
+
+    print_fronts(act.name, fronts, chosen, limits, Console(width=None if sys.stdout.isatty() else 140))
+    print(f"written: {out} (chosen per branch), {front_path} (Pareto fronts)")
     return 0
 
 

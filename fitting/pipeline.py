@@ -68,8 +68,8 @@ class FamilyFit:
             },
             provenance={
                 "command": command,
-                "package_version": _version("invact"),
-                "libraries": {m: _version(m) for m in ("numpy", "scipy", "sympy")},
+                "package_version": library_version("invact"),
+                "libraries": {m: library_version(m) for m in ("numpy", "scipy", "sympy")},
                 "seed": 0,  # the fit draws no random numbers; kept for the schema
                 "selected": {name: r.chosen.label for name, r in self.branches.items()},
                 "selection_metric": SELECTION_METRIC,
@@ -79,7 +79,7 @@ class FamilyFit:
         )
 
 
-def _version(dist: str) -> str:
+def library_version(dist: str) -> str:
     known = {"numpy": np.__version__, "scipy": scipy.__version__, "sympy": sympy.__version__}
     if dist in known:
         return known[dist]
