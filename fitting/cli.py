@@ -9,9 +9,11 @@ succeeded, so an interrupted or failed run leaves no partial file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -83,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _progress(console: Console) -> Iterator[Callable[[str], None]]:
+    """A transient spinner with elapsed time; yields say(message) to update its text."""
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        yield lambda message: bar.update(task, description=message)
+
+
 def _check_writable(path: Path, what: str) -> None:
     """Fail before a long fit, not after it: the folder must exist and accept a new file."""
     if path.is_dir():
@@ -134,12 +145,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     command = f"invact-fit {args.activation} --family {args.family}"
     if args.init:
         command += f" --init {args.init}"
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-        fit: FamilyFit = fit_family(
-            args.activation, args.family, start=start, progress=lambda m: bar.update(task, description=m)
-        )
+    with _progress(console) as say:
+        fit: FamilyFit = fit_family(args.activation, args.family, start=start, progress=say)
 
     from fitting.report import print_report  # rich tables; imported late to keep --help fast
 
@@ -192,10 +199,7 @@ def run_search(args: argparse.Namespace, console: Console) -> int:
         if args.max_flops is None
         else dict.fromkeys(("left", "right"), args.max_flops)
     )
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-        say = lambda m: bar.update(task, description=m)  # noqa: E731
+    with _progress(console) as say:
         fronts = {b: search_front.search_branch(act, b, settings, say) for b in ("left", "right")}
     if not all(fronts.values()):
         raise RuntimeError("the search found no candidate with a finite error on some branch; raise --budget")
