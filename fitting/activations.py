@@ -35,6 +35,8 @@ class Activation:
     f: Callable[[Array], Array]
     df: Callable[[Array], Array]
     torch_op: str  # the exact torch expression the runtime must reproduce
+    # k(y) as a sympy string, with f'(x) - 1 ~ exp(-k(x)) as x -> +inf: the 'floor' family's right branch
+    right_decay: str | None = None
     monotone: bool = False  # a monotone f needs no branch bit
     derivation: Derivation | None = None
     threshold: float = field(init=False)  # T = argmin f
@@ -103,14 +105,21 @@ def _scaled(base: Callable[[Array], Array], a: float, *, derivative: bool) -> Ca
 ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in (
-        Activation("gelu", _gelu, _gelu_df, 'torch.nn.functional.gelu(x, approximate="none")'),
-        Activation("gelu_tanh", _gelu_tanh, _gelu_tanh_df, 'torch.nn.functional.gelu(x, approximate="tanh")'),
-        Activation("silu", _silu, _silu_df, "torch.nn.functional.silu(x)"),
+        Activation("gelu", _gelu, _gelu_df, 'torch.nn.functional.gelu(x, approximate="none")', "y**2/2"),
+        Activation(
+            "gelu_tanh",
+            _gelu_tanh,
+            _gelu_tanh_df,
+            'torch.nn.functional.gelu(x, approximate="tanh")',
+            f"{float(2 * _SQRT_2_OVER_PI)!r}*(y + {_TANH_GELU_CUBIC}*y**3)",
+        ),
+        Activation("silu", _silu, _silu_df, "torch.nn.functional.silu(x)", "y"),
         Activation(
             "quick_gelu",
             _scaled(_silu, _QUICK_GELU_SCALE, derivative=False),
             _scaled(_silu_df, _QUICK_GELU_SCALE, derivative=True),
             f"x * torch.sigmoid({_QUICK_GELU_SCALE} * x)",
+            f"{_QUICK_GELU_SCALE}*y",  # silu's k(y) = y at a*y
             derivation=Derivation("silu", _QUICK_GELU_SCALE),
         ),
     )

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import sympy
 
+from codegen.coeffs_json import Y
 from fitting.activations import Activation
-from fitting.families import Y
 from fitting.targets import Branch, target
 
 X_RANGE = (-20.0, 20.0)

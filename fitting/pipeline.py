@@ -3,7 +3,8 @@
 Candidates per branch: the family's start ("published" where the paper gives coefficients for this
 activation), the least-squares fit and the minimax fit. The one with the smallest linf_fp32 (the
 error on the values an fp32 kernel sees) is written. A derived activation (quick_gelu) is fitted on
-its base (silu) and measured on itself, with y -> a*y in the expression.
+its base (silu) and measured on itself, with y -> a*y in the expression, unless the family is
+native (built for it directly, see fitting.families).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def fit_family(
     """Fit `family_name` for `activation`. `start` optionally overrides the start per branch."""
     act = get_activation(activation)
     family = get_family(family_name, activation)
-    fit_act = get_activation(act.derivation.base) if act.derivation else act
-    base_family = get_family(family_name, fit_act.name) if act.derivation else family
+    fit_act = get_activation(family.fit_activation)
+    base_family = get_family(family_name, fit_act.name) if fit_act is not act else family
     start_label = "published" if family.published else "start"
 
     branches = {}

@@ -2,7 +2,8 @@
 
 A family is built for one activation by a builder registered in FAMILIES. Derived activations
 (quick_gelu = silu scaled) get their base's family with y replaced by a*y (see `derive`), and are not
-refitted: their coefficients are the base's.
+refitted: their coefficients are the base's. A builder registered with `native=True` builds its forms
+from the activation's own f and f', so derived activations get a family (and a fit) of their own.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from dataclasses import dataclass
 
 import sympy
 
+from codegen.coeffs_json import Y
 from fitting.activations import Activation, get_activation
-
-Y = sympy.Symbol("y", real=True)
 
 
 def coefficient_symbols(n: int) -> list[sympy.Symbol]:
@@ -39,15 +39,23 @@ class Family:
     branches: dict[str, BranchForm]  # "left", "right"
     published: bool  # True when `start` holds coefficients published for this very activation
     source: str  # where the form and the start come from
+    fitted_on: str = ""  # the activation whose fit gives the coefficients ("" = this one)
+
+    @property
+    def fit_activation(self) -> str:
+        return self.fitted_on or self.activation
 
 
 FamilyBuilder = Callable[[Activation], Family]
 FAMILIES: dict[str, FamilyBuilder] = {}
+NATIVE: set[str] = set()  # families built for derived activations directly, not derived from the base
 
 
-def register(name: str) -> Callable[[FamilyBuilder], FamilyBuilder]:
+def register(name: str, native: bool = False) -> Callable[[FamilyBuilder], FamilyBuilder]:
     def wrap(builder: FamilyBuilder) -> FamilyBuilder:
         FAMILIES[name] = builder
+        if native:
+            NATIVE.add(name)
         return builder
 
     return wrap
@@ -69,6 +77,7 @@ def derive(base: Family, activation: str, scale: float) -> Family:
         },
         published=base.published,
         source=f"{base.source}; derived from {base.activation} with y -> {scale!r}*y",
+        fitted_on=base.activation,
     )
 
 
@@ -77,11 +86,11 @@ def get_family(name: str, activation: str) -> Family:
     if name not in FAMILIES:
         raise UnknownFamily(f"unknown family {name!r} (choose from {', '.join(sorted(FAMILIES))})")
     act = get_activation(activation)
-    if act.derivation is not None:
+    if act.derivation is not None and name not in NATIVE:
         base = get_family(name, act.derivation.base)
         return derive(base, activation, act.derivation.scale)
     return FAMILIES[name](act)
 
 
 # Builders register themselves on import.
-from fitting.families import paper  # noqa: E402, F401
+from fitting.families import floor, paper  # noqa: E402, F401

@@ -23,7 +23,7 @@ def _run(*args):
             ["relu", "--family", "paper"],
             "unknown activation 'relu' (choose from gelu, gelu_tanh, quick_gelu, silu)",
         ),
-        (["gelu", "--family", "magic"], "unknown family 'magic' (choose from paper)"),
+        (["gelu", "--family", "magic"], "unknown family 'magic' (choose from floor, paper)"),
     ],
 )
 def test_unknown_names_fail_in_one_line(tmp_path, capsys, args, message):

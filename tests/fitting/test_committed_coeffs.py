@@ -26,6 +26,15 @@ def test_every_activation_has_its_default_file():
         assert (COEFFS / activation / f"{family}.json").is_file()
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "quick_gelu"])
+def test_default_families_reach_the_fp32_floor(activation):
+    # Issue 5's bar: the runtime's families are within 1e-5 on the fp32 lattice, both branches.
+    defaults = json.loads((COEFFS / "defaults.json").read_text())
+    coeffs = load(COEFFS / activation / f"{defaults[activation]}.json")
+    for name, branch in coeffs.branches.items():
+        assert branch.errors["linf_fp32"] <= 1e-5, name
+
+
 @pytest.mark.parametrize("path", FILES, ids=[f"{p.parent.name}/{p.stem}" for p in FILES])
 def test_committed_file_is_consistent(path):
     coeffs = load(path)

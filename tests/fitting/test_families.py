@@ -60,6 +60,36 @@ def test_quick_gelu_is_silu_rescaled():
 
 
 def test_unknown_family_and_unsupported_activation():
-    with pytest.raises(UnknownFamily, match="unknown family 'nope' \\(choose from paper"):
+    with pytest.raises(UnknownFamily, match="unknown family 'nope' \\(choose from floor, paper"):
         get_family("nope", "gelu")
     assert Y.name == "y"
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "quick_gelu"])
+def test_floor_forms_are_valid_and_finite_on_every_16bit_value(activation):
+    family = get_family("floor", activation)
+    assert family.fit_activation == activation  # native: quick_gelu gets its own fit
+    act = get_activation(activation)
+    for branch, form in family.branches.items():
+        assert {type(f).__name__ for f in form.expression.atoms(sympy.Function)} <= ALLOWED_FUNCTIONS
+        q = compile_q(form.substituted(form.start))
+        for dtype in ("fp16", "bf16"):
+            assert np.isfinite(q(ALL_16BIT[dtype])).all(), (branch, dtype)
+        # A y rounded below y_min reads as y_min: q = 0 there to the start's accuracy (5e-6, GOAL/2).
+        below = np.nextafter(np.float32(act.y_min), np.float32(-1))
+        assert abs(q(np.array([below, act.y_min]))).max() <= 5e-6
+    left = compile_q(family.branches["left"].substituted(family.branches["left"].start))
+    right = compile_q(family.branches["right"].substituted(family.branches["right"].start))
+    assert np.array_equal(left(np.array([0.0, -0.0])), np.zeros(2))  # the tail's limit, no 0 * inf
+    assert abs(left(np.array([-1e-45]))[0]) <= 1e-43  # q = y * P(w_cap), |P(w_cap)| ~ |x| < 20
+    assert np.array_equal(right(np.array([1e3, 3e38])), np.ones(2))  # past the cap: exactly 1
+
+
+def test_floor_needs_the_right_decay():
+    from fitting.activations import Activation
+    from fitting.families.floor import right_form
+
+    act = get_activation("silu")
+    bare = Activation("bare", act.f, act.df, "x")
+    with pytest.raises(UnknownFamily, match="needs bare's right_decay"):
+        right_form(bare, 1.0)

@@ -1,0 +1,175 @@
+"""The 'floor' family: piecewise polynomials in variables where q is smooth, at the fp32 storage floor.
+
+Goal: error <= GOAL = 1e-5 on the fp32 lattice (DESIGN.md metrics) on both branches, with kernels that
+keep it when they compute in fp32. Each branch is two pieces, selected by y; each piece is
+q = A(y) + B(y) * P(z), P a Horner polynomial in z in [-1, 1] with monomial coefficients c_k:
+
+- left, y < split:  P(s), s = sqrt(y - y_min): f'(f^-1(y)) is analytic in s at the cusp.
+- left, y >= split: y * P(w), w = sqrt(-log(-y)): q/y = f'/f (~ -x for a Gaussian tail, 1 + 1/x for
+  SiLU's) is smooth out to y -> 0-. w is capped where |q| < CUT; -y is floored at the smallest normal
+  fp32, so y = 0 gives q = 0.
+- right, y < split: P(s).
+- right, y >= split: 1 + D(y) * P(s) with D = exp(-k(y)) the activation's own decay of f' - 1
+  (`Activation.right_decay`): (q - 1)/D grows at most linearly in y. s is capped where |q - 1| < CUT,
+  and D reads max(y, y_min) like s does.
+
+fp32 details: y - y_min is computed as max(y - y_hi, y_lo) - y_lo with y_hi = fp32(y_min) and
+y_lo = y_min - y_hi. Near the cusp y - y_hi is exact (Sterbenz), so s is right to fp32 rounding at the
+lattice points next to y_min, where one fp32 y_min would cost up to ~1e-4 in q. Pieces are short and
+of low degree, so their monomial coefficients stay small and Horner loses little in fp32 (tested
+against the generated torch code evaluated in fp32).
+
+Splits and degrees are chosen per activation: each piece gets the smallest degree whose Chebyshev
+least-squares start is within GOAL/2 on the metric grid, and the split with the fewest flops wins.
+The pipeline then refines all coefficients to minimax. The forms use f and f' only, so derived
+activations (quick_gelu) get their own fit (`native=True`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import sympy
+from numpy.polynomial import chebyshev
+from sympy import Max, Min, Piecewise, exp, log, sqrt
+
+from fitting.activations import Activation
+from fitting.evaluate import metric_x_grid
+from fitting.families import BranchForm, Family, UnknownFamily, Y, coefficient_symbols, register
+from fitting.targets import Branch, target
+
+GOAL = 1e-5
+MAX_DEGREE = 12
+CUT = 1e-7  # past the caps, q is within CUT of its limit (0 or 1)
+LEFT_SPLITS = (0.1, 0.25, 0.5)  # candidate splits, as fractions of y_min
+RIGHT_SPLITS = (0.5, 1.0, 2.0, 3.0)  # candidate splits, in y
+FP32_TINY = float(np.finfo(np.float32).tiny)
+
+Numeric = np.ndarray
+
+
+def _f(value: float) -> sympy.Float:
+    return sympy.Float(float(value), 17)
+
+
+def _rounded(value: float) -> float:
+    """A data-driven choice (split, cap, range) to 6 digits: the expression, compared with the committed
+    one by tests, then does not depend on the last bits of a machine's libm."""
+    return float(f"{value:.6g}")
+
+
+def horner(coefficients: list[sympy.Symbol], z: sympy.Expr) -> sympy.Expr:
+    """c0 + z (c1 + z (c2 + ...)): 2 flops per degree, the order the kernels evaluate it in."""
+    expr = coefficients[-1]
+    for c in reversed(coefficients[:-1]):
+        expr = c + z * expr
+    return expr
+
+
+@dataclass(frozen=True)
+class Piece:
+    """q = a + b * P(z) on y in [lo, hi), with z = v(y) mapped from [v_lo, v_hi] to [-1, 1].
+
+    Symbolic parts (sympy, in Y) print into the kernels; numeric parts (float64 arrays of y) fit the
+    start."""
+
+    a: sympy.Expr
+    b: sympy.Expr
+    v: sympy.Expr
+    v_lo: float
+    v_hi: float
+
+    def numeric(self, part: sympy.Expr, y: Numeric) -> Numeric:
+        with np.errstate(all="ignore"):
+            return np.broadcast_to(sympy.lambdify(Y, part, "numpy")(y), y.shape).astype(np.float64)
+
+    def z(self, y: Numeric) -> Numeric:
+        return (2.0 * self.numeric(self.v, y) - (self.v_lo + self.v_hi)) / (self.v_hi - self.v_lo)
+
+    def start(self, y: Numeric, t: Numeric) -> tuple[list[float], float]:
+        """The smallest degree whose least-squares fit is within GOAL/2 (else MAX_DEGREE): monomial
+        coefficients in z and the fit's max error on y."""
+        z, a, b = self.z(y), self.numeric(self.a, y), self.numeric(self.b, y)
+        for degree in range(2, MAX_DEGREE + 1):
+            basis = chebyshev.chebvander(z, degree) * b[:, None]
+            coef, *_ = np.linalg.lstsq(basis, t - a, rcond=None)
+            err = float(np.max(np.abs(basis @ coef + a - t)))
+            if err <= GOAL / 2:
+                break
+        return [float(c) for c in chebyshev.cheb2poly(coef)], err
+
+    def expression(self, coefficients: list[sympy.Symbol]) -> sympy.Expr:
+        scale = 2.0 / (self.v_hi - self.v_lo)
+        z = _f(scale) * self.v - _f(scale * self.v_lo + 1.0)
+        return self.a + self.b * horner(coefficients, z)
+
+
+def _s(act: Activation) -> sympy.Expr:
+    """sqrt(y - y_min) >= 0, exact to fp32 rounding near the cusp (module docstring)."""
+    hi = float(np.float32(act.y_min))
+    lo = act.y_min - hi
+    return sqrt(Max(Y - _f(hi), _f(lo)) - _f(lo))
+
+
+@functools.lru_cache(maxsize=16)
+def _samples(act: Activation, branch: Branch) -> tuple[Numeric, Numeric]:
+    """y on the branch (float64, sorted) and the exact target there: the metric grid."""
+    y = np.sort(act.f(metric_x_grid(act, branch)))
+    return y, target(act, y, branch)
+
+
+def _last_y_beyond(y: Numeric, excess: Numeric) -> float:
+    """The largest y where `excess` (|q - limit|) is still above CUT."""
+    return _rounded(y[np.flatnonzero(excess > CUT).max()])
+
+
+def _two_pieces(y: Numeric, t: Numeric, split: float, near: Piece, far: Piece) -> tuple[BranchForm, int]:
+    """Piecewise((near, y < split), (far, True)) with fitted starts, and its total degree."""
+    inside = y < split
+    c_near, _ = near.start(y[inside], t[inside])
+    c_far, _ = far.start(y[~inside], t[~inside])
+    c = coefficient_symbols(len(c_near) + len(c_far))
+    expression = Piecewise(
+        (near.expression(c[: len(c_near)]), Y < _f(split)), (far.expression(c[len(c_near) :]), True)
+    )
+    start = {f"c{i}": v for i, v in enumerate(c_near + c_far)}
+    return BranchForm(expression, start), len(start)
+
+
+def left_form(act: Activation, split_fraction: float) -> tuple[BranchForm, int]:
+    y, t = _samples(act, "left")
+    y, t = y[y < 0], t[y < 0]
+    split = _rounded(split_fraction * act.y_min)
+    w_cap = _rounded(np.sqrt(-np.log(-_last_y_beyond(y, np.abs(t)))))
+    w = sqrt(-log(Max(-Y, _f(FP32_TINY))))
+    near = Piece(sympy.S.Zero, sympy.S.One, _s(act), 0.0, _rounded(np.sqrt(split - act.y_min)))
+    far = Piece(sympy.S.Zero, Y, Min(w, _f(w_cap)), _rounded(np.sqrt(-np.log(-split))), w_cap)
+    return _two_pieces(y, t, split, near, far)
+
+
+def right_form(act: Activation, split: float) -> tuple[BranchForm, int]:
+    if act.right_decay is None:
+        raise UnknownFamily(f"family 'floor' needs {act.name}'s right_decay in the activation registry")
+    decay = sympy.sympify(act.right_decay, locals={"y": Y}).subs(Y, Max(Y, _f(act.y_min)))
+    y, t = _samples(act, "right")
+    s_cap = _rounded(np.sqrt(_last_y_beyond(y, np.abs(t - 1)) - act.y_min))
+    s_split = _rounded(np.sqrt(split - act.y_min))
+    near = Piece(sympy.S.Zero, sympy.S.One, _s(act), 0.0, s_split)
+    far = Piece(sympy.S.One, exp(-decay), Min(_s(act), _f(s_cap)), s_split, s_cap)
+    return _two_pieces(y, t, split, near, far)
+
+
+@register("floor", native=True)
+def floor(act: Activation) -> Family:
+    left = min((left_form(act, f) for f in LEFT_SPLITS), key=lambda form_size: form_size[1])
+    right = min((right_form(act, s) for s in RIGHT_SPLITS), key=lambda form_size: form_size[1])
+    return Family(
+        "floor",
+        act.name,
+        {"left": left[0], "right": right[0]},
+        published=False,
+        source="invact 'floor' family: piecewise Horner polynomials in sqrt(y - y_min), sqrt(-log(-y)), "
+        "times the activation's own right-tail decay (fitting/families/floor.py)",
+    )

@@ -1,0 +1,28 @@
+"""The generated torch q evaluated in fp32, as the kernels compute it, keeps the family's error.
+
+The coefficient files' errors are measured in float64. In fp32, rounding in the pieces' variables and
+Horner sums adds to that; the 'floor' family is built so this stays below 1e-6 (its module docstring).
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from fitting.activations import ACTIVATIONS, get_activation
+from fitting.evaluate import FORMATS, dtype_eval_points
+from fitting.targets import target
+
+FP32_EVALUATION = 1e-6  # measured worst excess over the float64 error: 7.4e-7 (silu right, y = 1)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("branch", ["left", "right"])
+def test_fp32_evaluation_stays_within_the_recorded_error(name, branch):
+    act = get_activation(name)
+    generated = importlib.import_module(f"invact._generated.{name}")
+    y = dtype_eval_points(act, branch, FORMATS["fp32"])  # fp32 values: the lattice at the cusp and more
+    q32 = getattr(generated, f"q_{branch}")(torch.tensor(y, dtype=torch.float32)).double().numpy()
+    err = np.abs(q32 - target(act, y, branch)).max()
+    assert err <= generated.ERRORS[branch]["linf_fp32"] + FP32_EVALUATION, err
