@@ -96,6 +96,16 @@ def _silu_df(x: Array) -> Array:
     return special.expit(x) * (1 + x * special.expit(-x))
 
 
+# --- Mish: f = x tanh(softplus(x)), f' = tanh(sp) + x sech^2(sp) sigmoid(x) ---------------------------
+def _mish(x: Array) -> Array:
+    return x * np.tanh(np.logaddexp(0.0, x))
+
+
+def _mish_df(x: Array) -> Array:
+    t = np.tanh(np.logaddexp(0.0, x))
+    return t + x * (1 - t * t) * special.expit(x)
+
+
 def _scaled(base: Callable[[Array], Array], a: float, *, derivative: bool) -> Callable[[Array], Array]:
     if derivative:
         return lambda x: base(a * x)
@@ -114,6 +124,8 @@ ACTIVATIONS: dict[str, Activation] = {
             f"{float(2 * _SQRT_2_OVER_PI)!r}*(y + {_TANH_GELU_CUBIC}*y**3)",
         ),
         Activation("silu", _silu, _silu_df, "torch.nn.functional.silu(x)", "y"),
+        # 1 - tanh(softplus(x)) ~ 2 exp(-2x), so f' - 1 ~ (4x - 2) exp(-2x)
+        Activation("mish", _mish, _mish_df, "torch.nn.functional.mish(x)", "2*y"),
         Activation(
             "quick_gelu",
             _scaled(_silu, _QUICK_GELU_SCALE, derivative=False),

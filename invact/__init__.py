@@ -7,13 +7,14 @@ backward) when installed.
 """
 
 from invact import functional, memory
-from invact.modules import InvActGELU, InvActQuickGELU, InvActSiLU
+from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU
 from invact.ops import backend_for
 from invact.patch import patch, plan
 
 __version__ = "0.1.0"
 __all__ = [
     "InvActGELU",
+    "InvActMish",
     "InvActQuickGELU",
     "InvActSiLU",
     "backend_for",

@@ -38,7 +38,16 @@ def quick_gelu(x):
     return x * (1.0 / (1.0 + tl.exp(-1.702 * x)))
 
 
-FORWARD = {"gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu, "quick_gelu": quick_gelu}
+@triton.jit
+def mish(x):
+    # x tanh(softplus x) with tanh(log(1 + n)) = n (n + 2) / (n (n + 2) + 2), n = e^x; past x = 20
+    # tanh(softplus x) is 1 in fp32, and n (n + 2) would overflow.
+    n = tl.exp(tl.minimum(x, 20.0))
+    m = n * (n + 2.0)
+    return tl.where(x > 20.0, x, x * (m / (m + 2.0)))
+
+
+FORWARD = {"gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu, "quick_gelu": quick_gelu, "mish": mish}
 
 
 @triton.jit

@@ -63,6 +63,15 @@ def _silu_df(x):
     return s * (1 + x * torch.sigmoid(-x))
 
 
+def _mish_f(x):
+    return x * torch.tanh(F.softplus(x))
+
+
+def _mish_df(x):
+    t = torch.tanh(F.softplus(x))
+    return t + x * (1 - t * t) * torch.sigmoid(x)
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's QuickGELUActivation: x * sigmoid(1.702 x)."""
     return x * torch.sigmoid(_QUICK * x)
@@ -75,5 +84,6 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_f, _gelu_tanh_df),
         Activation("silu", F.silu, lambda x: x * torch.sigmoid(x), _silu_df),
         Activation("quick_gelu", quick_gelu, quick_gelu, lambda x: _silu_df(_QUICK * x)),
+        Activation("mish", F.mish, _mish_f, _mish_df),
     )
 }

@@ -23,6 +23,11 @@ def silu(x: torch.Tensor, mode: str = "bits") -> torch.Tensor:
     return invact(x, "silu", mode)
 
 
+def mish(x: torch.Tensor, mode: str = "bits") -> torch.Tensor:
+    """torch.nn.functional.mish(x) with InvAct's memory footprint."""
+    return invact(x, "mish", mode)
+
+
 def quick_gelu(x: torch.Tensor, mode: str = "bits") -> torch.Tensor:
     """x * sigmoid(1.702 x) (Hugging Face's QuickGELUActivation) with InvAct's memory footprint."""
     return invact(x, "quick_gelu", mode)

@@ -1,4 +1,4 @@
-"""Drop-in nn.Modules: InvActGELU, InvActSiLU, InvActQuickGELU."""
+"""Drop-in nn.Modules: InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish."""
 
 from __future__ import annotations
 
@@ -52,3 +52,15 @@ class InvActQuickGELU(_InvAct):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.quick_gelu(x, self.mode)
+
+
+class InvActMish(_InvAct):
+    """nn.Mish that saves its output and one bit instead of its input (`inplace` accepted and
+    ignored, as for InvActSiLU)."""
+
+    def __init__(self, inplace: bool = False, mode: str = "bits") -> None:
+        super().__init__(mode)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.mish(x, self.mode)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from invact.modules import InvActGELU, InvActQuickGELU, InvActSiLU
+from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU
 
 log = logging.getLogger("invact")
 Factory = Callable[[nn.Module, str], nn.Module]
@@ -25,11 +25,13 @@ _EXACT: Factory = lambda m, mode: InvActGELU("none", mode=mode)  # noqa: E731
 _TANH: Factory = lambda m, mode: InvActGELU("tanh", mode=mode)  # noqa: E731
 _SILU: Factory = lambda m, mode: InvActSiLU(mode=mode)  # noqa: E731
 _QUICK: Factory = lambda m, mode: InvActQuickGELU(mode=mode)  # noqa: E731
+_MISH: Factory = lambda m, mode: InvActMish(mode=mode)  # noqa: E731
 
 # Qualified class name -> factory. Each formula checked against its source:
 REPLACEABLE: dict[str, Factory] = {
     "torch.nn.modules.activation.GELU": lambda m, mode: InvActGELU(m.approximate, mode=mode),
     "torch.nn.modules.activation.SiLU": _SILU,
+    "torch.nn.modules.activation.Mish": _MISH,
     # transformers.activations
     "transformers.activations.GELUActivation": _EXACT,  # F.gelu, or x/2 (1 + erf(x/sqrt 2)) in Python
     "transformers.activations.GELUTanh": _TANH,  # F.gelu(approximate="tanh"), or its Python formula
@@ -39,6 +41,7 @@ REPLACEABLE: dict[str, Factory] = {
     "transformers.activations.AccurateGELUActivation": _TANH,  # the same, constant precomputed
     "transformers.activations.QuickGELUActivation": _QUICK,  # x sigmoid(1.702 x)
     "transformers.activations.SiLUActivation": _SILU,
+    "transformers.activations.MishActivation": _MISH,  # F.mish, or x tanh(softplus(x)) in Python
     # x/2 (1 + tanh(0.79788456 x (1 + 0.044715 x^2))): sqrt(2/pi) to 8 digits, 2e-9 relative, below fp32
     "transformers.models.bloom.modeling_bloom.BloomGelu": _TANH,
     # timm.layers.activations (checked against its source; timm itself uses nn.SiLU for SiLU)
@@ -46,12 +49,12 @@ REPLACEABLE: dict[str, Factory] = {
     "timm.layers.activations.GELUTanh": _TANH,  # F.gelu(approximate="tanh")
     "timm.layers.activations.QuickGELU": _QUICK,  # x sigmoid(1.702 x)
     "timm.layers.activations.Swish": _SILU,  # x sigmoid(x)
+    "timm.layers.activations.Mish": _MISH,  # x tanh(softplus(x)): F.mish to rounding
 }
 
 # Activations deliberately left alone, with the reason.
 SKIPPED: dict[str, str] = {
     "transformers.activations.ClippedGELUActivation": "clip(gelu(x)) is flat past its bounds: not invertible",
-    "transformers.activations.MishActivation": "no fitted family for mish yet",
     "transformers.activations.LaplaceActivation": "no fitted family for this activation",
     "transformers.activations.XIELUActivation": "has trainable parameters: f changes during training",
     "transformers.activations.ReLUSquaredActivation": "no fitted family for relu^2",
@@ -64,7 +67,6 @@ SKIPPED: dict[str, str] = {
     "torch.nn.modules.activation.Tanh": "torch already saves only its output",
     "torch.nn.modules.activation.Sigmoid": "torch already saves only its output",
     "torch.nn.modules.activation.Hardswish": "no fitted family for hardswish",
-    "timm.layers.activations.Mish": "no fitted family for mish yet",
     "timm.layers.activations.Tanh": "torch already saves only its output",
     "timm.layers.activations.Sigmoid": "torch already saves only its output",
     "timm.layers.activations.HardSwish": "no fitted family for hardswish",
@@ -101,7 +103,7 @@ def plan(model: nn.Module, *, include=None, exclude=None) -> list[Decision]:
     decisions = []
     for name, module in model.named_modules(remove_duplicate=False):
         cls = _qualname(module)
-        if isinstance(module, (InvActGELU, InvActSiLU, InvActQuickGELU)):
+        if isinstance(module, (InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish)):
             continue
         if cls in REPLACEABLE:
             if _selected(name, include, exclude):

@@ -206,10 +206,11 @@ def test_timm_classes_are_matched_by_qualified_name():
     # timm cannot be installed here (it needs torchvision); a class with timm's qualified name and
     # timm's formula for QuickGELU stands in for it.
     quick = type("QuickGELU", (nn.Module,), {"forward": lambda self, x: x * torch.sigmoid(1.702 * x)})
-    quick.__module__ = "timm.layers.activations"
     mish = type("Mish", (nn.Module,), {"forward": lambda self, x: x * torch.tanh(nn.functional.softplus(x))})
-    mish.__module__ = "timm.layers.activations"
-    model = nn.Sequential(nn.Linear(4, 4), quick(), nn.Linear(4, 4), mish())
-    assert invact.patch(model) == ["1"]
-    assert isinstance(model[1], invact.InvActQuickGELU)
-    assert invact.plan(model)[0].reason == "no fitted family for mish yet"
+    hard_mish = type("HardMish", (nn.Module,), {"forward": lambda self, x: 0.5 * x * (x + 2).clamp(0, 2)})
+    for cls in (quick, mish, hard_mish):
+        cls.__module__ = "timm.layers.activations"
+    model = nn.Sequential(nn.Linear(4, 4), quick(), nn.Linear(4, 4), mish(), hard_mish())
+    assert invact.patch(model) == ["1", "3"]
+    assert isinstance(model[1], invact.InvActQuickGELU) and isinstance(model[3], invact.InvActMish)
+    assert invact.plan(model)[0].reason == "no fitted family for hard mish"
