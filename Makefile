@@ -14,9 +14,11 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-fit: $(BIN)/.installed  ## regenerate the paper coefficients for gelu and silu, print the error report
+fit: $(BIN)/.installed  ## refit gelu and silu (paper and floor families), print the error reports
 	$(BIN)/invact-fit gelu --family paper
 	$(BIN)/invact-fit silu --family paper
+	$(BIN)/invact-fit gelu --family floor
+	$(BIN)/invact-fit silu --family floor
 
 test: $(BIN)/.installed  ## lint, then the whole test suite (everything that runs without a GPU)
 	$(BIN)/ruff check .

@@ -131,13 +131,17 @@ def _timer(device: str) -> Callable[[Callable[[], None]], float]:
 
 
 def _step(model: nn.Module, inputs: dict) -> Callable[[], None]:
-    """One forward+backward; float inputs get requires_grad so bare activations have a backward."""
+    """One forward + backward(dy); float inputs get requires_grad so bare activations have a backward.
+    dy is drawn once (seeded) and reused, so no loss computation dilutes the ratio."""
+    dy: list[torch.Tensor] = []
 
     def step():
         kwargs = {k: v.detach().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
         out = model(**kwargs) if "input" not in kwargs else model(kwargs["input"])
         out = getattr(out, "last_hidden_state", out)
-        out.float().square().mean().backward()
+        if not dy:
+            dy.append(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        out.backward(dy[0])
         model.zero_grad(set_to_none=True)
 
     return step
