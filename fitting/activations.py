@@ -102,8 +102,9 @@ def _mish(x: Array) -> Array:
 
 
 def _mish_df(x: Array) -> Array:
-    t = np.tanh(np.logaddexp(0.0, x))
-    return t + x * (1 - t * t) * special.expit(x)
+    sp = np.logaddexp(0.0, x)
+    sech2 = 4 * special.expit(-2 * sp) * special.expit(2 * sp)  # 1 - tanh^2 without cancellation
+    return np.tanh(sp) + x * sech2 * special.expit(x)
 
 
 def _scaled(base: Callable[[Array], Array], a: float, *, derivative: bool) -> Callable[[Array], Array]:

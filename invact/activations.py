@@ -68,8 +68,9 @@ def _mish_f(x):
 
 
 def _mish_df(x):
-    t = torch.tanh(F.softplus(x))
-    return t + x * (1 - t * t) * torch.sigmoid(x)
+    sp = F.softplus(x)
+    sech2 = 4 * torch.sigmoid(-2 * sp) * torch.sigmoid(2 * sp)  # 1 - tanh^2 without cancellation
+    return torch.tanh(sp) + x * sech2 * torch.sigmoid(x)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

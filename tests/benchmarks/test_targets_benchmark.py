@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fitting.activations import ACTIVATIONS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -14,7 +16,7 @@ def test_small_run_writes_results(tmp_path):
     proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert len(data["rows"]) == 8 and all(r["seconds"] > 0 for r in data["rows"])
+    assert len(data["rows"]) == 2 * len(ACTIVATIONS) and all(r["seconds"] > 0 for r in data["rows"])
     assert "| gelu | left |" in proc.stdout
 
 

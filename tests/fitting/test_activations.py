@@ -19,6 +19,8 @@ def _mp_f(name: str, x):
         return x / (1 + mp.exp(-x))
     if name == "quick_gelu":
         return x / (1 + mp.exp(-mp.mpf("1.702") * x))
+    if name == "mish":
+        return x * mp.tanh(mp.log1p(mp.exp(x)))
     raise KeyError(name)
 
 

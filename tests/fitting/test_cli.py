@@ -21,7 +21,7 @@ def _run(*args):
     [
         (
             ["relu", "--family", "paper"],
-            "unknown activation 'relu' (choose from gelu, gelu_tanh, quick_gelu, silu)",
+            "unknown activation 'relu' (choose from gelu, gelu_tanh, mish, quick_gelu, silu)",
         ),
         (["gelu", "--family", "magic"], "unknown family 'magic' (choose from floor, paper)"),
     ],
