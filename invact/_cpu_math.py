@@ -9,8 +9,6 @@ fp32 range saturate: exp32 is exactly 0 below -87.34 (where expf turns subnormal
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -43,6 +41,9 @@ _LOG_P = (F(7.0376836292e-2), F(-1.1514610310e-1), F(1.1676998740e-1), F(-1.2420
           F(1.4249322787e-1), F(-1.6668057665e-1), F(2.0000714765e-1), F(-2.4999993993e-1),
           F(3.3333331174e-1))  # fmt: skip
 _SQRTHF = F(0.707106781186547524)
+# int32 constants: a plain int literal is int64 in numba and would widen the arithmetic (scalar code).
+_I23, _I126, _I127 = np.int32(23), np.int32(126), np.int32(127)
+_MANTISSA, _HALF_EXPONENT = np.int32(0x007FFFFF), np.int32(0x3F000000)
 
 
 @njit(inline="always")
@@ -50,13 +51,13 @@ def exp32(x):
     x = F(x)
     underflow = x < F(-87.33654)
     x = min(max(x, F(-87.33654)), F(88.72283))
-    k = math.floor(x * _LOG2E + F(0.5))
+    k = np.floor(x * _LOG2E + F(0.5))  # np.floor keeps float32 (math.floor gives an int64: scalar code)
     r = x - k * _LN2_HI - k * _LN2_LO
     p = _EXP_P[0]
     for c in _EXP_P[1:]:
         p = p * r + c
     p = p * r * r + r + F(1.0)
-    return F(0.0) if underflow else p * _i32_as_f32(np.int32(k + F(127.0)) << 23)
+    return F(0.0) if underflow else p * _i32_as_f32((np.int32(k) + _I127) << _I23)
 
 
 @njit(inline="always")
@@ -66,8 +67,8 @@ def log32(x):
     bad = not (x >= F(0.0))
     x = max(x, F(1.17549435e-38))
     bits = _f32_as_i32(x)
-    e = F((bits >> 23) - 126)
-    m = _i32_as_f32((bits & 0x007FFFFF) | 0x3F000000)  # mantissa in [0.5, 1)
+    e = F((bits >> _I23) - _I126)
+    m = _i32_as_f32((bits & _MANTISSA) | _HALF_EXPONENT)  # mantissa in [0.5, 1)
     small = m < _SQRTHF
     e = e - F(1.0) if small else e
     m = m + m - F(1.0) if small else m - F(1.0)
