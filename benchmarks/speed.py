@@ -1,12 +1,13 @@
 """Forward+backward time of InvAct against torch, side by side in one process: the paper's setups.
 
-Setups (FACTS.md's time table): the bare activation (gelu, gelu_tanh, silu, quick_gelu), Linear+GELU,
-an MLP block, GeGLU, BERT-base and a Llama-3.1-8B-shaped decoder (SiLU), each as torch eager,
-InvAct bits, InvAct precision-bit and (with --compile) torch.compile of the torch model. Runs are
-interleaved (torch, bits, precision-bit, compile, torch, ...) and the median of --repeats is
-reported; CUDA timings use CUDA events. Sizes: --preset paper is the paper's (for a GPU), cpu is
-scaled down for a 2-core machine, --small is a smoke run. On CUDA it also reports the bandwidth
-of the bare Triton kernels. Writes benchmarks/results/speed_<device>.json and prints a markdown table.
+Setups (FACTS.md's time table): the bare activation (gelu, gelu_tanh, silu, quick_gelu, and softplus,
+which is monotone and stores no bit), Linear+GELU, an MLP block, GeGLU, BERT-base and a
+Llama-3.1-8B-shaped decoder (SiLU), each as torch eager, InvAct bits, InvAct precision-bit and (with
+--compile) torch.compile of the torch model. Runs are interleaved (torch, bits, precision-bit,
+compile, torch, ...) and the median of --repeats is reported; CUDA timings use CUDA events. Sizes:
+--preset paper is the paper's (for a GPU), cpu is scaled down for a 2-core machine, --small is a
+smoke run. On CUDA it also reports the bandwidth of the bare Triton kernels. Writes
+benchmarks/results/speed_<device>.json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ TORCH_ACTIVATIONS = {
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
     "silu": nn.SiLU,
     "quick_gelu": lambda: _QuickGELU(),
+    "softplus": nn.Softplus,  # monotone: InvAct stores no bit
 }
 
 

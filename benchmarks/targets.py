@@ -19,14 +19,15 @@ import scipy
 
 from codegen.coeffs_json import write_atomic
 from fitting.activations import ACTIVATIONS
-from fitting.targets import BRANCHES, target
+from fitting.evaluate import branch_x_range
+from fitting.targets import target
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def sample_y(act, branch: str, n: int) -> np.ndarray:
     """y = f(x) for x uniform over the branch's part of [-20, 20] (what the metrics use)."""
-    lo, hi = (-20.0, act.threshold) if branch == "left" else (act.threshold, 20.0)
+    lo, hi = branch_x_range(act, branch)
     return act.f(np.linspace(lo, hi, n, endpoint=False) + (hi - lo) / (2 * n))
 
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for name, act in ACTIVATIONS.items():
-        for branch in BRANCHES:
+        for branch in act.branches:
             y = sample_y(act, branch, args.points)
             target(act, y[:1000], branch)  # build the branch table outside the timing
             times = []

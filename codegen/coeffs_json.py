@@ -4,6 +4,9 @@ Both `fitting` (writer) and `codegen` (reader) use this module; it imports neith
 with sorted keys and `repr` floats, via a temporary file renamed into place, so a reader never sees a
 half-written file and the same content always gives the same bytes. Every validation error names the
 file and the field, e.g. ``coeffs/gelu/paper.json: branches.left.coefficients.c3: not a finite number``.
+
+A monotone activation's file has the one branch "right" and `"threshold": null` (no bit); any other
+file has the branches "left" and "right" and a finite threshold.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sympy
 
 SCHEMA = "invact-coeffs/1"
 BRANCH_NAMES = ("left", "right")
+MONOTONE_BRANCH_NAMES = ("right",)  # a monotone activation: one branch, threshold null
 ERROR_KEYS = ("l2", "linf", "linf_bf16", "linf_fp16", "linf_fp32")
 FLOOR_KEYS = ("bf16", "fp16", "fp32")
 ALLOWED_FUNCTIONS = frozenset({"sqrt", "exp", "log", "Abs", "Max", "Min", "Piecewise"})
@@ -54,10 +58,15 @@ class BranchCoeffs:
 class CoeffFile:
     activation: str
     family: str
-    threshold: float  # T: bit = 1 (left branch) where x < T
-    y_min: float  # f(T)
+    threshold: float | None  # T: bit = 1 (left branch) where x < T; None: monotone, no bit
+    y_min: float  # f(T); a monotone f's infimum
     branches: dict[str, BranchCoeffs]
     provenance: dict[str, Any]
+
+    @property
+    def monotone(self) -> bool:
+        """One branch ("right") and no bit."""
+        return self.threshold is None
 
     def to_json(self) -> str:
         doc = {
@@ -124,10 +133,17 @@ def from_dict(doc: Any) -> CoeffFile:
     if _field(doc, "schema", str, "") != SCHEMA:
         raise CoeffsError(f"schema: expected {SCHEMA!r}, got {doc['schema']!r}")
     branches_doc = _field(doc, "branches", dict, "")
-    if sorted(branches_doc) != sorted(BRANCH_NAMES):
-        raise CoeffsError(f"branches: expected exactly {list(BRANCH_NAMES)}, got {sorted(branches_doc)}")
+    names = tuple(sorted(branches_doc))
+    if names not in (BRANCH_NAMES, MONOTONE_BRANCH_NAMES):
+        raise CoeffsError(
+            f"branches: expected exactly {list(BRANCH_NAMES)} (or {list(MONOTONE_BRANCH_NAMES)} for a "
+            f"monotone activation), got {list(names)}"
+        )
+    monotone = names == MONOTONE_BRANCH_NAMES
+    if monotone and _field(doc, "threshold", object, "") is not None:
+        raise CoeffsError(f"threshold: must be null when branches are {list(MONOTONE_BRANCH_NAMES)}")
     branches = {}
-    for name in BRANCH_NAMES:
+    for name in names:
         where = f"branches.{name}"
         b = branches_doc[name]
         coeffs_doc = _field(b, "coefficients", dict, where)
@@ -152,7 +168,7 @@ def from_dict(doc: Any) -> CoeffFile:
     return CoeffFile(
         activation=_field(doc, "activation", str, ""),
         family=_field(doc, "family", str, ""),
-        threshold=_field(doc, "threshold", float, ""),
+        threshold=None if monotone else _field(doc, "threshold", float, ""),
         y_min=_field(doc, "y_min", float, ""),
         branches=branches,
         provenance=_field(doc, "provenance", dict, ""),

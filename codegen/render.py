@@ -1,6 +1,7 @@
 """Render invact/_generated/ from coefficient files: three modules per activation, plus an index.
 
-- `<act>.py`: constants (threshold, y_min, measured errors) and q_left/q_right on torch tensors.
+- `<act>.py`: constants (threshold, y_min, measured errors) and q_left/q_right on torch tensors; for a
+  monotone activation (MONOTONE = True, THRESHOLD = None: no bit) q_right alone.
 - `<act>_cpu.py`: the same formulas as fp32 scalar functions, which invact's numba kernels compile.
 - `<act>_triton.py`: the same formulas as @triton.jit device functions for invact's Triton kernels.
 - `__init__.py`: the activations and the coefficient file each was generated from.
@@ -37,12 +38,20 @@ def _errors_doc(c: CoeffFile) -> str:
     return "; ".join(parts)
 
 
+def _per_branch(c: CoeffFile) -> str:
+    return "(monotone: one branch, no bit)" if c.monotone else "per branch"
+
+
 def _functions(c: CoeffFile, printer, suffix: str, decorator: str = "", annotate: bool = False) -> str:
     blocks = []
     for name, branch in c.branches.items():
-        side = "x < threshold, bit 1" if name == "left" else "x >= threshold, bit 0"
+        if c.monotone:
+            where = "for every x (monotone: one branch, no bit)"
+        else:
+            side = "x < threshold, bit 1" if name == "left" else "x >= threshold, bit 0"
+            where = f"on the {name} branch ({side})"
         args = "y: torch.Tensor) -> torch.Tensor" if annotate else "y)"
-        doc = f"q ~ f'(f^-1(y)) on the {name} branch ({side}); max error {branch.errors['linf']:.3g}."
+        doc = f"q ~ f'(f^-1(y)) {where}; max error {branch.errors['linf']:.3g}."
         body = function_body(branch.sympy_expression(), printer)
         blocks.append(f'{decorator}def q_{name}{suffix}({args}:\n    """{doc}"""\n{body}\n')
     return "\n\n".join(blocks)
@@ -51,7 +60,15 @@ def _functions(c: CoeffFile, printer, suffix: str, decorator: str = "", annotate
 def render_torch(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
     errors = {name: b.errors for name, b in c.branches.items()}
     floors = {name: b.storage_floor for name, b in c.branches.items()}
-    title = f"{c.activation}, family {c.family!r}: q(y) ~ f'(f^-1(y)) per branch, on tensors."
+    title = f"{c.activation}, family {c.family!r}: q(y) ~ f'(f^-1(y)) {_per_branch(c)}, on tensors."
+    if c.monotone:
+        split = f"""MONOTONE = True  # one branch ("right") for every x, no bit stored
+THRESHOLD = None
+Y_MIN = {c.y_min!r}  # inf f, the limit x -> -inf"""
+    else:
+        split = f"""MONOTONE = False
+THRESHOLD = {c.threshold!r}  # T = argmin f; bit 1 (left branch) where x < T
+Y_MIN = {c.y_min!r}  # f(T)"""
     return f'''{_header(sources)}"""{title}
 
 {_errors_doc(c)}.
@@ -61,8 +78,7 @@ import torch
 
 ACTIVATION = {c.activation!r}
 FAMILY = {c.family!r}
-THRESHOLD = {c.threshold!r}  # T = argmin f; bit 1 (left branch) where x < T
-Y_MIN = {c.y_min!r}  # f(T)
+{split}
 # Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {json.dumps(errors, sort_keys=True)}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
@@ -73,7 +89,7 @@ STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
 
 
 def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
-    title = f"{c.activation}, family {c.family!r}: q per branch as fp32 scalar functions for numba."
+    title = f"{c.activation}, family {c.family!r}: q {_per_branch(c)} as fp32 scalar functions for numba."
     return f'''{_header(sources)}"""{title}"""
 
 import math  # noqa: F401
@@ -88,7 +104,8 @@ _TRITON_JIT = "@triton.jit\n"
 
 
 def render_triton(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
-    title = f"{c.activation}, family {c.family!r}: q per branch as Triton device functions (fp32 in and out)."
+    title = f"{c.activation}, family {c.family!r}: q {_per_branch(c)} as Triton device functions"
+    title += " (fp32 in and out)."
     return f'''{_header(sources)}"""{title}"""
 
 import triton

@@ -3,6 +3,9 @@
 Every function here is vectorized over numpy arrays and evaluated in float64. T is never typed in:
 it is the root of f' found by Brent's method to an absolute tolerance of 1e-15. The left branch is
 x < T (bit = 1), the right branch x >= T (bit = 0); f is strictly monotone on each.
+
+A monotone (increasing) f is the degenerate case T = -inf: every x is on the one branch "right", the
+bit is always 0 and is not stored, and y_min is f's infimum, f(-inf) (the limit x -> -inf).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ Array = np.ndarray
 _SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
 _TANH_GELU_CUBIC = 0.044715  # torch's tanh-GELU constant
 _QUICK_GELU_SCALE = 1.702  # Hugging Face's QuickGELUActivation: x * sigmoid(1.702 x)
+_MONOTONE_CHECK = np.linspace(-20.0, 20.0, 4001)  # where a monotone entry's f' >= 0 is checked
 
 
 @dataclass(frozen=True)
@@ -37,15 +41,28 @@ class Activation:
     torch_op: str  # the exact torch expression the runtime must reproduce
     # k(y) as a sympy string, with f'(x) - 1 ~ exp(-k(x)) as x -> +inf: the 'floor' family's right branch
     right_decay: str | None = None
-    monotone: bool = False  # a monotone f needs no branch bit
+    monotone: bool = False  # an increasing f: one branch ("right"), no bit
+    # f'(f^-1(y)) as a sympy string in y, where a closed form exists (monotone f): the 'exact' family
+    exact_q: str | None = None
     derivation: Derivation | None = None
-    threshold: float = field(init=False)  # T = argmin f
-    y_min: float = field(init=False)  # f(T)
+    threshold: float = field(init=False)  # T = argmin f; -inf when monotone
+    y_min: float = field(init=False)  # f(T); inf f = f(-inf) when monotone
 
     def __post_init__(self) -> None:
-        t = _root_of_derivative(self.df)
+        if self.exact_q is not None and not self.monotone:
+            raise ValueError(f"{self.name}: exact_q is one expression, for a monotone activation only")
+        t = -np.inf if self.monotone else _root_of_derivative(self.df)
+        with np.errstate(invalid="ignore"):  # f(-inf) may be NaN (then the entry is rejected below)
+            y_min = float(self.f(np.float64(t)))
+        if self.monotone and not (np.isfinite(y_min) and np.all(self.df(_MONOTONE_CHECK) >= 0)):
+            raise ValueError(f"{self.name}: monotone=True needs f' >= 0 and a finite f(-inf)")
         object.__setattr__(self, "threshold", t)
-        object.__setattr__(self, "y_min", float(self.f(np.float64(t))))
+        object.__setattr__(self, "y_min", y_min)
+
+    @property
+    def branches(self) -> tuple[str, ...]:
+        """The branches q is fitted and stored on: ("right",) for a monotone f, else ("left", "right")."""
+        return ("right",) if self.monotone else ("left", "right")
 
     def d2f_at_threshold(self, h: float = 1e-5) -> float:
         """f''(T) by a central difference (relative error ~1e-10); used to start inversions at the cusp."""
@@ -107,6 +124,11 @@ def _mish_df(x: Array) -> Array:
     return np.tanh(sp) + x * sech2 * special.expit(x)
 
 
+# --- softplus: f = log(1 + e^x), f' = sigmoid(x); monotone, f'(f^-1(y)) = 1 - exp(-y) --------------------
+def _softplus(x: Array) -> Array:
+    return np.logaddexp(0.0, x)
+
+
 def _scaled(base: Callable[[Array], Array], a: float, *, derivative: bool) -> Callable[[Array], Array]:
     if derivative:
         return lambda x: base(a * x)
@@ -127,6 +149,14 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("silu", _silu, _silu_df, "torch.nn.functional.silu(x)", "y"),
         # 1 - tanh(softplus(x)) ~ 2 exp(-2x), so f' - 1 ~ (4x - 2) exp(-2x)
         Activation("mish", _mish, _mish_df, "torch.nn.functional.mish(x)", "2*y"),
+        Activation(
+            "softplus",
+            _softplus,
+            special.expit,
+            "torch.nn.functional.softplus(x)",
+            monotone=True,
+            exact_q="1 - exp(-y)",  # e^x = e^y - 1, so sigmoid(x) = (e^y - 1)/e^y
+        ),
         Activation(
             "quick_gelu",
             _scaled(_silu, _QUICK_GELU_SCALE, derivative=False),

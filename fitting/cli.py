@@ -21,7 +21,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from codegen.coeffs_json import CoeffsError, load, save
 from fitting.activations import ACTIVATIONS, UnknownActivation, get_activation
-from fitting.families import FAMILIES, UnknownFamily, get_family
+from fitting.families import FAMILIES, UnknownFamily, get_family, require_two_branches
 from fitting.pipeline import FamilyFit, fit_family
 from fitting.search import BACKENDS
 
@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             f"activations: {', '.join(sorted(ACTIVATIONS))} (quick_gelu is silu rescaled: it reuses "
-            f"silu's fit). families: {', '.join(sorted(FAMILIES))}, and search (symbolic regression; "
+            "silu's fit). Monotone, with one branch and no bit (fit them with --family exact): "
+            f"{', '.join(sorted(a for a, act in ACTIVATIONS.items() if act.monotone))}. "
+            f"families: {', '.join(sorted(FAMILIES))}, and search (symbolic regression; "
             "see --search-backend). "
             "Example: invact-fit gelu --family paper --plot gelu.png"
         ),
@@ -174,7 +176,8 @@ def run_search(args: argparse.Namespace, console: Console) -> int:
 
     try:
         act = get_activation(args.activation)
-    except UnknownActivation as e:
+        require_two_branches("search", act)
+    except (UnknownActivation, UnknownFamily) as e:
         raise UsageError(str(e)) from None
     if act.derivation:
         raise UsageError(
@@ -197,10 +200,10 @@ def run_search(args: argparse.Namespace, console: Console) -> int:
     limits = (
         search_front.paper_flops(act)
         if args.max_flops is None
-        else dict.fromkeys(("left", "right"), args.max_flops)
+        else dict.fromkeys(act.branches, args.max_flops)
     )
     with _progress(console) as say:
-        fronts = {b: search_front.search_branch(act, b, settings, say) for b in ("left", "right")}
+        fronts = {b: search_front.search_branch(act, b, settings, say) for b in act.branches}
     if not all(fronts.values()):
         raise RuntimeError("the search found no candidate with a finite error on some branch; raise --budget")
     chosen = {b: search_front.choose(f, (limits or {}).get(b)) for b, f in fronts.items()}

@@ -8,6 +8,11 @@
 - l2: RMS of q(f(x)) - f'(x) with x ~ N(0, 1) on the branch (quadrature on 2^16 points).
 - storage floor in a dtype: max |f'(f_b^-1(round(f(x)))) - f'(x)| over the linf grid: what even the
   exact estimator loses once y is stored in that dtype.
+
+A monotone activation's one branch ("right") is all of [-20, 20] (and l2 the whole line): there is no
+cusp, so no geometric refinement, and its range of y starts at f(-20), not at y_min = f(-inf). So its
+fp32 lattice part is the first 2^16 fp32 values above f(-20) (x within ~1e-2 of -20), and its 16-bit
+lattices cover [f(-20), f(20)].
 """
 
 from __future__ import annotations
@@ -90,16 +95,31 @@ def lattice(fmt: FloatFormat, lo: float, hi: float) -> np.ndarray:
 
 
 def branch_x_range(act: Activation, branch: Branch) -> tuple[float, float]:
+    """The branch's part of X_RANGE (all of it for a monotone activation)."""
+    if act.monotone:
+        return X_RANGE
     return (X_RANGE[0], act.threshold) if branch == "left" else (act.threshold, X_RANGE[1])
 
 
-def metric_x_grid(act: Activation, branch: Branch) -> np.ndarray:
-    """Sorted x on the branch within X_RANGE: uniform plus geometric refinement toward T."""
+def branch_y_range(act: Activation, branch: Branch) -> tuple[float, float]:
+    """The y of the branch's part of X_RANGE: from y_min (from f(-20) for a monotone activation, whose
+    y_min is at x = -inf) to f at the end of X_RANGE."""
     lo, hi = branch_x_range(act, branch)
+    y_far = float(act.f(np.float64(lo if branch == "left" else hi)))
+    return (float(act.f(np.float64(lo))) if act.monotone else act.y_min), y_far
+
+
+def metric_x_grid(act: Activation, branch: Branch) -> np.ndarray:
+    """Sorted x on the branch within X_RANGE: uniform plus geometric refinement toward T (none for a
+    monotone activation)."""
+    lo, hi = branch_x_range(act, branch)
+    uniform = np.linspace(lo, hi, _UNIFORM_POINTS)
+    if act.monotone:
+        return uniform
     span = hi - lo
     near = np.geomspace(1e-12, span, _CUSP_POINTS)
     cusp = act.threshold - near if branch == "left" else act.threshold + near
-    x = np.concatenate([np.linspace(lo, hi, _UNIFORM_POINTS), cusp])
+    x = np.concatenate([uniform, cusp])
     x = x[(x < act.threshold) if branch == "left" else (x >= act.threshold)]
     return np.unique(x)
 
@@ -138,8 +158,7 @@ def linf(act: Activation, branch: Branch, q: QFunction) -> float:
 def dtype_eval_points(act: Activation, branch: Branch, fmt: FloatFormat) -> np.ndarray:
     """The stored y values a kernel sees in `fmt` for x on the branch (see the module docstring)."""
     y = act.f(metric_x_grid(act, branch))
-    y_far = float(act.f(np.float64(X_RANGE[0] if branch == "left" else X_RANGE[1])))
-    return np.unique(np.concatenate([round_to(y, fmt), lattice(fmt, act.y_min, y_far)]))
+    return np.unique(np.concatenate([round_to(y, fmt), lattice(fmt, *branch_y_range(act, branch))]))
 
 
 def linf_dtype(act: Activation, branch: Branch, q: QFunction, fmt: FloatFormat) -> float:
@@ -148,6 +167,7 @@ def linf_dtype(act: Activation, branch: Branch, q: QFunction, fmt: FloatFormat) 
 
 
 def l2(act: Activation, branch: Branch, q: QFunction) -> float:
+    """RMS of q(f(x)) - f'(x), x ~ N(0, 1) on the branch (the whole line for a monotone activation)."""
     x = np.linspace(-10.0, 10.0, _L2_POINTS)
     x = x[(x < act.threshold) if branch == "left" else (x >= act.threshold)]
     w = np.exp(-0.5 * x * x)

@@ -17,7 +17,7 @@ import sympy
 from scipy import optimize
 
 from fitting.activations import Activation
-from fitting.evaluate import branch_x_range, full_precision, metric_x_grid
+from fitting.evaluate import branch_x_range, branch_y_range, full_precision, metric_x_grid
 from fitting.families import BranchForm, Y
 from fitting.targets import Branch, target
 
@@ -29,7 +29,7 @@ class FitSettings:
     """Sample sizes per branch and iteration limits. The defaults are what `invact-fit` uses."""
 
     uniform_x: int = 1200  # uniform in x over the branch's part of [-20, 20]
-    cusp_x: int = 1200  # geometric in |x - T|, from 1e-10
+    cusp_x: int = 1200  # geometric in |x - T|, from 1e-10 (none for a monotone activation)
     uniform_y: int = 1200  # uniform in y over the branch's range
     lstsq_max_nfev: int = 2000
     minimax_iterations: int = 150  # per exchange round
@@ -41,18 +41,17 @@ class FitSettings:
 class Sample:
     y: np.ndarray
     target: np.ndarray
-    weight: np.ndarray  # least-squares weights: each of the three parts has total weight 1
+    weight: np.ndarray  # least-squares weights: each part of the sample has total weight 1
 
 
 def fit_sample(act: Activation, branch: Branch, s: FitSettings) -> Sample:
+    """y uniform in x, geometric toward T (not for a monotone activation: no cusp) and uniform in y."""
     lo, hi = branch_x_range(act, branch)
     sign = -1.0 if branch == "left" else 1.0
-    x_parts = [
-        np.linspace(lo, hi, s.uniform_x),
-        act.threshold + sign * np.geomspace(1e-10, hi - lo, s.cusp_x),
-    ]
-    y_far = float(act.f(np.float64(lo if branch == "left" else hi)))
-    parts = [act.f(x) for x in x_parts] + [np.linspace(act.y_min, y_far, s.uniform_y)]
+    x_parts = [np.linspace(lo, hi, s.uniform_x)]
+    if not act.monotone:
+        x_parts.append(act.threshold + sign * np.geomspace(1e-10, hi - lo, s.cusp_x))
+    parts = [act.f(x) for x in x_parts] + [np.linspace(*branch_y_range(act, branch), s.uniform_y)]
     y = np.concatenate(parts)
     weight = np.concatenate([np.full(p.size, 1.0 / p.size) for p in parts])
     return Sample(y=y, target=target(act, y, branch), weight=weight)

@@ -23,13 +23,14 @@ from codegen.coeffs_json import SCHEMA, CoeffFile, load
 from fitting import quantize
 from fitting.activations import Activation, get_activation
 from fitting.evaluate import X_RANGE, QFunction, compile_q, linf, metric_x_grid
-from fitting.targets import BRANCHES, target
+from fitting.targets import target
 
 REPO = Path(__file__).resolve().parents[1]
 COEFFS = REPO / "coeffs"
 NOTEBOOKS = REPO / "notebooks"
 SMALL_ENV = "INVACT_NOTEBOOK_SMALL"
 _FLOOR_STYLE = {"fp32": ":", "fp16": "--", "bf16": "-."}
+_BRANCH_COLOR = {"left": "C0", "right": "C1"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Approximation:
     path: Path
     act: Activation
     coeffs: CoeffFile
-    q: dict[str, QFunction]  # branch -> q(y), float64
+    q: dict[str, QFunction]  # branch -> q(y), float64 ("right" alone for a monotone activation)
 
     @property
     def label(self) -> str:
@@ -78,7 +79,7 @@ class Approximation:
 
 def load_approximation(path: Path) -> Approximation:
     coeffs = load(path)
-    q = {b: compile_q(coeffs.branches[b].sympy_expression()) for b in BRANCHES}
+    q = {b: compile_q(branch.sympy_expression()) for b, branch in coeffs.branches.items()}
     return Approximation(path, get_activation(coeffs.activation), coeffs, q)
 
 
@@ -109,8 +110,7 @@ def show_table(rows: Iterable[dict], columns: list[str], digits: int = 3) -> Non
 def error_rows(a: Approximation, remeasure: bool) -> list[dict]:
     """Per branch: the JSON's errors and storage floors, plus linf re-measured from the expression."""
     rows = []
-    for b in BRANCHES:
-        br = a.coeffs.branches[b]
+    for b, br in a.coeffs.branches.items():
         row = {"file": a.label, "branch": b, "flops": br.flops, **br.errors}
         row |= {f"floor_{k}": v for k, v in br.storage_floor.items()}
         row["linf (re-measured)"] = linf(a.act, b, a.q[b]) if remeasure else "-"
@@ -124,12 +124,15 @@ ERROR_COLUMNS = ["file", "branch", "flops", "l2", "linf", "linf (re-measured)", 
 
 def approximation_figure(a: Approximation, stride: int = 1) -> Figure:
     """The paper's Fig. 2 for one file: exact and approximate f'(f_b^-1(y)) against y, |error| against
-    y per branch (log, with the storage floors), and |q(f(x)) - f'(x)| against x (log)."""
+    y per branch (log, with the storage floors), and |q(f(x)) - f'(x)| against x (log). A monotone
+    activation has one branch, "right", over all of x."""
     act = a.act
     fig = Figure(figsize=(16, 4.2), layout="constrained")
     ax_q, ax_ey, ax_ex, ax_sx = fig.subplots(1, 4)
-    fig.suptitle(f"{a.label}: q(y) approximates f'(f_b^-1(y)); T = {act.threshold:.4f}")
-    for b, color in zip(BRANCHES, ("C0", "C1"), strict=True):
+    split = "monotone: one branch, no bit" if act.monotone else f"T = {act.threshold:.4f}"
+    fig.suptitle(f"{a.label}: q(y) approximates f'(f_b^-1(y)); {split}")
+    for b in a.q:
+        color = _BRANCH_COLOR[b]
         x = metric_x_grid(act, b)[::stride]
         y = act.f(x)
         exact = target(act, y, b)
@@ -150,8 +153,9 @@ def approximation_figure(a: Approximation, stride: int = 1) -> Figure:
     ax_ey.set(title="|error| against y", xlabel="y - y_min", ylabel="|q(y) - f'(f_b^-1(y))|")
     ax_ex.set(title="|error| against x (floors per branch)", xlabel="x", ylabel="|q(f(x)) - f'(x)|")
     ax_sx.set(title="signed error against x", xlabel="x", ylabel="q(f(x)) - f'(x)")
+    smallest_linf = min(br.errors["linf"] for br in a.coeffs.branches.values())
     for ax in (ax_ey, ax_ex):
-        ax.set_ylim(bottom=1e-12)
+        ax.set_ylim(bottom=min(1e-12, 0.1 * smallest_linf))  # lower for the 'exact' family's rounding
     ax_ex.set_xlim(*X_RANGE)
     for ax in (ax_q, ax_ey, ax_ex, ax_sx):
         ax.legend(fontsize=7)

@@ -2,7 +2,8 @@
 
 Candidates per branch: the family's start ("published" where the paper gives coefficients for this
 activation), the least-squares fit and the minimax fit. The one with the smallest linf_fp32 (the
-error on the values an fp32 kernel sees) is written. A derived activation (quick_gelu) is fitted on
+error on the values an fp32 kernel sees) is written. A form without coefficients (the 'exact' family)
+is not fitted: it is the one candidate, "exact". A derived activation (quick_gelu) is fitted on
 its base (silu) and measured on itself, with y -> a*y in the expression, unless the family is
 native (built for it directly, see fitting.families).
 """
@@ -21,7 +22,6 @@ from fitting.activations import get_activation
 from fitting.evaluate import compile_q, count_flops, errors, storage_floors
 from fitting.families import Family, get_family
 from fitting.fit import FitSettings, Progress, fit_branch
-from fitting.targets import BRANCHES
 
 SELECTION_METRIC = "linf_fp32"
 DEFAULT_SETTINGS = FitSettings()
@@ -29,7 +29,7 @@ DEFAULT_SETTINGS = FitSettings()
 
 @dataclass(frozen=True)
 class Candidate:
-    label: str  # "published", "start", "lstsq", "minimax"
+    label: str  # "published", "start", "lstsq", "minimax"; "exact" for a form without coefficients
     coefficients: dict[str, float]
     errors: dict[str, float]
 
@@ -46,7 +46,7 @@ class BranchResult:
 class FamilyFit:
     activation: str
     family: Family
-    threshold: float
+    threshold: float | None  # None for a monotone activation (one branch, no bit)
     y_min: float
     branches: dict[str, BranchResult]
     settings: FitSettings
@@ -102,16 +102,19 @@ def fit_family(
     start_label = "published" if family.published else "start"
 
     branches = {}
-    for branch in BRANCHES:
+    for branch in act.branches:
         say = (lambda msg, b=branch: progress(f"{activation}/{b}: {msg}")) if progress else None
         form = family.branches[branch]
-        first = (start or {}).get(branch, form.start)
-        fitted = fit_branch(fit_act, branch, base_family.branches[branch], first, settings, say)
+        if form.start:
+            first = (start or {}).get(branch, form.start)
+            fitted = fit_branch(fit_act, branch, base_family.branches[branch], first, settings, say)
+            options = ((start_label, first), ("lstsq", fitted.lstsq), ("minimax", fitted.minimax))
+        else:
+            options = (("exact", {}),)
         if say:
             say("measuring errors")
         candidates = [
-            Candidate(label, c, errors(act, branch, compile_q(form.substituted(c))))
-            for label, c in ((start_label, first), ("lstsq", fitted.lstsq), ("minimax", fitted.minimax))
+            Candidate(label, c, errors(act, branch, compile_q(form.substituted(c)))) for label, c in options
         ]
         chosen = min(candidates, key=lambda c: c.errors[SELECTION_METRIC])
         branches[branch] = BranchResult(
@@ -120,4 +123,5 @@ def fit_family(
             storage_floor=storage_floors(act, branch),
             flops=count_flops(form.expression),
         )
-    return FamilyFit(activation, family, act.threshold, act.y_min, branches, settings)
+    threshold = None if act.monotone else act.threshold
+    return FamilyFit(activation, family, threshold, act.y_min, branches, settings)

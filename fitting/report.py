@@ -37,20 +37,23 @@ def error_table(fit: FamilyFit, written_to: str | None) -> Table:
     return table
 
 
-def improvement_line(fit: FamilyFit) -> str:
-    """'linf_fp32 vs published: left 1.34x better, right 6.49x better' (start for unpublished)."""
+def improvement_line(fit: FamilyFit) -> str | None:
+    """'linf_fp32 vs published: left 1.34x better, right 6.49x better' (start for unpublished); None
+    when nothing was fitted (a form without coefficients, e.g. the 'exact' family)."""
     parts = []
     for branch, result in fit.branches.items():
+        if len(result.candidates) == 1:
+            return None
         base = result.candidates[0]
         ratio = base.errors[SELECTION_METRIC] / result.chosen.errors[SELECTION_METRIC]
         parts.append(f"{branch} {ratio:.2f}x better")
-    return (
-        f"{SELECTION_METRIC} of the written fit vs {fit.branches['left'].candidates[0].label}: "
-        + ", ".join(parts)
-    )
+    first = next(iter(fit.branches.values())).candidates[0].label
+    return f"{SELECTION_METRIC} of the written fit vs {first}: " + ", ".join(parts)
 
 
 def print_report(fit: FamilyFit, written_to: str | None, console: Console | None = None) -> None:
     console = console or Console()
     console.print(error_table(fit, written_to))
-    console.print(improvement_line(fit))
+    line = improvement_line(fit)
+    if line:
+        console.print(line)

@@ -7,7 +7,7 @@ backward) when installed.
 """
 
 from invact import functional, memory
-from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU
+from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU, InvActSoftplus
 from invact.ops import backend_for
 from invact.patch import patch, plan
 
@@ -17,6 +17,7 @@ __all__ = [
     "InvActMish",
     "InvActQuickGELU",
     "InvActSiLU",
+    "InvActSoftplus",
     "backend_for",
     "functional",
     "memory",

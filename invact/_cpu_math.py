@@ -57,7 +57,10 @@ def exp32(x):
     for c in _EXP_P[1:]:
         p = p * r + c
     p = p * r * r + r + F(1.0)
-    return F(0.0) if underflow else p * _i32_as_f32((np.int32(k) + _I127) << _I23)
+    # 2^k with k <= 128: k = 128 (x > 88.03) would overflow the exponent field, so it is 2^127 * 2.
+    k_low = np.int32(min(k, F(127.0)))
+    p = p * _i32_as_f32((k_low + _I127) << _I23) * (F(2.0) if k > F(127.0) else F(1.0))
+    return F(0.0) if underflow else p
 
 
 @njit(inline="always")

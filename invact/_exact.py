@@ -1,6 +1,7 @@
 """The float64 path: invert y on its branch exactly and return f'(x), so torch.autograd.gradcheck
-holds. Safeguarded Newton inside a bracket (bisection when a step leaves it); on the left branch it
-solves log(-f(x)) = log(-y), which stays well scaled as y -> 0- and x -> -inf."""
+holds. Safeguarded Newton inside a bracket (bisection when a step leaves it). Where f has one sign
+near the root (the left branch: f < 0; a monotone f with y_min >= 0: f > 0) it solves
+log|f(x)| = log|y|, which stays well scaled as y -> 0 and x -> -inf."""
 
 from __future__ import annotations
 
@@ -12,19 +13,38 @@ _MAX_ITER = 200
 _LEFT_END = -800.0  # f(-800) is 0 or -0 in float64 for every activation here
 
 
-def invert(act: Activation, y: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
-    """x with f(x) = y on the branch given by `left` (bool, same shape). float64 in, float64 out.
-    y below y_min maps to T; y >= 0 on the left branch maps to -inf."""
+def invert(act: Activation, y: torch.Tensor, left: torch.Tensor | None) -> torch.Tensor:
+    """x with f(x) = y on the branch given by `left` (bool, same shape; None for a monotone f).
+    float64 in, float64 out. y at or below y_min maps to T (-inf for a monotone f); y >= 0 on the left
+    branch maps to -inf."""
+    if act.monotone:
+        return _invert_monotone(act, y)
     t = act.threshold
     y = torch.clamp_min(y, act.y_min)
     lo = torch.where(left, torch.full_like(y, _LEFT_END), torch.full_like(y, t))
     hi = torch.where(left, torch.full_like(y, t), torch.clamp_min(y, 0) + 1)  # f(x) >= x - 0.3 on the right
+    x = _newton(act, y, lo, hi, log_residual=left, sign=-1.0)
+    x = torch.where(y == act.y_min, torch.full_like(x, t), x)
+    return torch.where(left & (y >= 0), torch.full_like(x, float("-inf")), x)
+
+
+def _invert_monotone(act: Activation, y: torch.Tensor) -> torch.Tensor:
+    """The monotone case (softplus): f(x) >= x and f > 0, so the root lies in [-800, max(y, 0) + 1]."""
+    y = torch.clamp_min(y, act.y_min)
+    lo, hi = torch.full_like(y, _LEFT_END), torch.clamp_min(y, 0) + 1
+    positive = torch.full_like(y, act.y_min >= 0, dtype=torch.bool)
+    x = _newton(act, torch.where(y > act.y_min, y, hi), lo, hi, log_residual=positive, sign=1.0)
+    return torch.where(y > act.y_min, x, torch.full_like(x, float("-inf")))
+
+
+def _newton(act, y, lo, hi, log_residual: torch.Tensor, sign: float) -> torch.Tensor:
+    """Root of g(x) = f(x) - y in [lo, hi], or g = log(sign f) - log(sign y) where `log_residual`."""
     x = 0.5 * (lo + hi)
-    log_neg_y = torch.log(-torch.clamp_max(y, -1e-320))
+    log_y = torch.log(torch.clamp_min(sign * y, 1e-320))
     for _ in range(_MAX_ITER):
         fx, dfx = act.f(x), act.df(x)
-        g = torch.where(left, torch.log(-fx) - log_neg_y, fx - y)
-        dg = torch.where(left, dfx / fx, dfx)
+        g = torch.where(log_residual, torch.log(sign * fx) - log_y, fx - y)
+        dg = torch.where(log_residual, dfx / fx, dfx)
         lo = torch.where(g < 0, x, lo)
         hi = torch.where(g > 0, x, hi)
         step = x - g / dg
@@ -33,11 +53,10 @@ def invert(act: Activation, y: torch.Tensor, left: torch.Tensor) -> torch.Tensor
         x = torch.where(g == 0, x, step)
         if bool(done.all()):
             break
-    x = torch.where(y == act.y_min, torch.full_like(x, t), x)
-    return torch.where(left & (y >= 0), torch.full_like(x, float("-inf")), x)
+    return x
 
 
-def derivative_from_output(act: Activation, y: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+def derivative_from_output(act: Activation, y: torch.Tensor, left: torch.Tensor | None) -> torch.Tensor:
     """f'(f^-1(y)) in float64, 0 where x = -inf."""
     x = invert(act, y.double(), left)
     return torch.where(torch.isneginf(x), torch.zeros_like(x), act.df(x))

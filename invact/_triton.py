@@ -47,7 +47,18 @@ def mish(x):
     return tl.where(x > 20.0, x, x * (m / (m + 2.0)))
 
 
-FORWARD = {"gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu, "quick_gelu": quick_gelu, "mish": mish}
+@triton.jit
+def softplus(x):
+    # torch's softplus (beta 1, threshold 20): log1p(e^x), and x past 20. No libdevice log1p in the
+    # interpreter: log1p(u) = log(1 + u) * u / ((1 + u) - 1) corrects the rounding of 1 + u, and is u
+    # itself where 1 + u rounds to 1.
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    return tl.where(x > 20.0, x, log1p)
+
+
+FORWARD = {f.__name__: f for f in (gelu, gelu_tanh, silu, quick_gelu, mish, softplus)}
 
 
 @triton.jit
@@ -59,14 +70,16 @@ def _int_view(v):
 
 @triton.jit
 def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr, PRECISION_BIT: tl.constexpr,
-                    BLOCK: tl.constexpr):  # fmt: skip
+                    MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     left = x < T  # masked lanes hold 0 > T: never set a bit
     y = FN(x).to(y_ptr.dtype.element_ty)
-    if PRECISION_BIT:
+    if MONOTONE:  # no bit at all
+        pass
+    elif PRECISION_BIT:
         yi = _int_view(y)
         y = ((yi & ~1) | left.to(yi.dtype)).to(y_ptr.dtype.element_ty, bitcast=True)
     else:
@@ -79,40 +92,46 @@ def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr
 
 @triton.jit
 def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: tl.constexpr,
-                     PRECISION_BIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                     PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y_raw = tl.load(y_ptr + offs, mask=mask, other=0.0)
-    if PRECISION_BIT:
-        left = (_int_view(y_raw) & 1) != 0
-    else:
-        byte = tl.load(bits_ptr + (offs >> 3), mask=mask, other=0)
-        left = ((byte >> (offs & 7).to(tl.uint8)) & 1) != 0
     y = y_raw.to(tl.float32)
-    q = tl.where(left, QL(y), QR(y))
-    q = tl.where(tl.abs(y) < float("inf"), q, float("nan"))  # non-finite y (x = +-inf or NaN): NaN, as torch
+    if MONOTONE:  # one branch, no bit; q itself at y = +-inf (softplus: x = +-inf), NaN stays NaN
+        q = tl.where(y == y, QR(y), float("nan"))
+    else:
+        if PRECISION_BIT:
+            left = (_int_view(y_raw) & 1) != 0
+        else:
+            byte = tl.load(bits_ptr + (offs >> 3), mask=mask, other=0)
+            left = ((byte >> (offs & 7).to(tl.uint8)) & 1) != 0
+        q = tl.where(left, QL(y), QR(y))
+        q = tl.where(tl.abs(y) < float("inf"), q, float("nan"))  # y = +-inf or NaN: NaN, as torch
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dx_ptr + offs, (dy * q).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
 def _q(activation: str):
+    """(q_left, q_right) device functions; q_left is None for a monotone activation (one branch)."""
     gen = importlib.import_module(f"invact._generated.{activation}_triton")
-    return gen.q_left, gen.q_right
+    return getattr(gen, "q_left", None), gen.q_right
 
 
 def _grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
 
 
-def forward(activation: str, threshold: float, x: torch.Tensor, y: torch.Tensor, precision_bit: bool):
-    """Flat x -> y (written in place) and the returned bits (empty in precision-bit mode)."""
-    n = x.numel()
-    bits = torch.empty(0 if precision_bit else (n + 7) // 8, dtype=torch.uint8, device=x.device)
+def forward(activation: str, threshold: float | None, x: torch.Tensor, y: torch.Tensor, precision_bit: bool):
+    """Flat x -> y (written in place) and the returned bits (empty in precision-bit mode and for a
+    monotone activation, whose threshold is None)."""
+    n, monotone = x.numel(), threshold is None
+    bits = torch.empty(0 if precision_bit or monotone else (n + 7) // 8, dtype=torch.uint8, device=x.device)
     if n:
         fn = FORWARD[activation]
-        _forward_kernel[_grid(n)](x, y, bits, n, T=threshold, FN=fn, PRECISION_BIT=precision_bit, BLOCK=BLOCK)
+        _forward_kernel[_grid(n)](x, y, bits, n, T=0.0 if monotone else threshold, FN=fn,
+                                  PRECISION_BIT=precision_bit, MONOTONE=monotone, BLOCK=BLOCK)  # fmt: skip
     return bits
 
 
@@ -121,5 +140,6 @@ def backward(activation: str, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     dx = torch.empty_like(dy)
     if n:
         ql, qr = _q(activation)
-        _backward_kernel[_grid(n)](y, bits, dy, dx, n, QL=ql, QR=qr, PRECISION_BIT=precision_bit, BLOCK=BLOCK)
+        _backward_kernel[_grid(n)](y, bits, dy, dx, n, QL=ql or qr, QR=qr, PRECISION_BIT=precision_bit,
+                                   MONOTONE=ql is None, BLOCK=BLOCK)  # fmt: skip
     return dx

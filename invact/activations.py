@@ -1,6 +1,7 @@
 """The activations InvAct reproduces: torch's own forward op, exact float64 f and f', and the
 generated approximation module. T (bit 1 where x < T) comes from the generated module, i.e. from
-the coefficient file that fitting wrote."""
+the coefficient file that fitting wrote. A monotone activation (softplus) has no T and no bit: its
+one branch is "right"."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 _SQRT_2PI = math.sqrt(2 * math.pi)
 _TANH_C = math.sqrt(2 / math.pi)
 _QUICK = 1.702
+SOFTPLUS_THRESHOLD = 20.0  # torch's default: softplus(x) = x for x > 20
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,13 @@ class Activation:
         return importlib.import_module(f"invact._generated.{self.name}")
 
     @property
-    def threshold(self) -> float:
+    def monotone(self) -> bool:
+        """f is monotone: y alone gives x, so no branch bit is stored."""
+        return self.generated.MONOTONE
+
+    @property
+    def threshold(self) -> float | None:
+        """T = argmin f; None for a monotone activation."""
         return self.generated.THRESHOLD
 
     @property
@@ -73,6 +81,10 @@ def _mish_df(x):
     return torch.tanh(sp) + x * sech2 * torch.sigmoid(x)
 
 
+def _softplus_df(x):
+    return torch.where(x > SOFTPLUS_THRESHOLD, 1.0, torch.sigmoid(x))  # torch's backward: 1 past 20
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's QuickGELUActivation: x * sigmoid(1.702 x)."""
     return x * torch.sigmoid(_QUICK * x)
@@ -86,5 +98,6 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("silu", F.silu, lambda x: x * torch.sigmoid(x), _silu_df),
         Activation("quick_gelu", quick_gelu, quick_gelu, lambda x: _silu_df(_QUICK * x)),
         Activation("mish", F.mish, _mish_f, _mish_df),
+        Activation("softplus", F.softplus, F.softplus, _softplus_df),
     )
 }

@@ -1,4 +1,4 @@
-"""Drop-in nn.Modules: InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish."""
+"""Drop-in nn.Modules: InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish, InvActSoftplus."""
 
 from __future__ import annotations
 
@@ -64,3 +64,21 @@ class InvActMish(_InvAct):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.mish(x, self.mode)
+
+
+class InvActSoftplus(_InvAct):
+    """nn.Softplus that saves only its output: softplus is monotone, so no bit is stored. beta and
+    threshold must be torch's defaults, 1 and 20 (ValueError otherwise: softplus_unsupported says why)."""
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0, mode: str = "bits") -> None:
+        super().__init__(mode)
+        reason = functional.softplus_unsupported(beta, threshold)
+        if reason:
+            raise ValueError(reason)
+        self.beta, self.threshold = beta, threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.softplus(x, self.beta, self.threshold, self.mode)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta!r}, threshold={self.threshold!r}, {super().extra_repr()}"

@@ -2,8 +2,9 @@
 implementations (torch.compile traces them without graph breaks) and autograd.
 
 Saved for backward: y (the output: the next layer saves the same storage) and ceil(n/8) bytes of
-bits, or nothing extra in precision-bit mode. Backends: Triton for CUDA tensors, torch (with the
-numba kernel when installed) for CPU, INVACT_BACKEND=torch|triton to override. float64 takes the
+bits, or nothing extra in precision-bit mode or for a monotone activation (softplus). Backends:
+Triton for CUDA tensors, torch (with the numba kernel when installed) for CPU,
+INVACT_BACKEND=torch|triton to override. float64 takes the
 exact path (inversion in float64), so gradcheck holds.
 """
 
@@ -71,6 +72,11 @@ def _is_left(x_flat: torch.Tensor, threshold: float) -> torch.Tensor:
     return xs < threshold
 
 
+def _saves_bits(act: Activation, x: torch.Tensor, precision_bit: bool) -> bool:
+    """Packed bits are stored unless f is monotone (no bit) or precision-bit mode hides it in y."""
+    return not (act.monotone or (precision_bit and x.dtype not in _EXACT_DTYPES))
+
+
 @torch.library.custom_op("invact::forward", mutates_args=())
 def _forward(x: torch.Tensor, activation: str, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
     act = ACTIVATIONS[activation]
@@ -83,16 +89,22 @@ def _forward(x: torch.Tensor, activation: str, precision_bit: bool) -> tuple[tor
         bits = _triton.forward(activation, act.threshold, _flat(x), _flat(y), precision_bit)
         return y, bits
     y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
-    left = _is_left(_flat(_like(x, y)), act.threshold)
+    no_bits = x.new_empty(0, dtype=torch.uint8)
+    if act.monotone:
+        return y, no_bits
+    x_flat = _flat(_like(x, y))
     if precision_bit and not exact:
-        return _bits.set_lsb_(y, _shaped_like(left, y)), x.new_empty(0, dtype=torch.uint8)  # y is ours
-    return y, _bits.pack(left)
+        left = _is_left(x_flat, act.threshold)
+        return _bits.set_lsb_(y, _shaped_like(left, y)), no_bits  # y is ours
+    if x.dtype == torch.float32 and x.device.type == "cpu" and _cpu.available():
+        return y, _cpu.pack_less(x_flat, act.threshold)
+    return y, _bits.pack(_is_left(x_flat, act.threshold))
 
 
 @_forward.register_fake
 def _(x, activation, precision_bit):
-    n_bytes = 0 if (precision_bit and x.dtype not in _EXACT_DTYPES) else _bits.packed_size(x.numel())
-    return torch.empty_like(x), x.new_empty(n_bytes, dtype=torch.uint8)
+    saves = _saves_bits(ACTIVATIONS[activation], x, precision_bit)
+    return torch.empty_like(x), x.new_empty(_bits.packed_size(x.numel()) if saves else 0, dtype=torch.uint8)
 
 
 @torch.library.custom_op("invact::backward", mutates_args=())
@@ -102,14 +114,16 @@ def _backward(
     act = ACTIVATIONS[activation]
     y_flat, dy_flat = _flat(y), _flat(_like(dy, y))
     if y.dtype in _EXACT_DTYPES:
-        q = _exact.derivative_from_output(act, y_flat, _bits.unpack(bits, y.numel()))
-        dx = (dy_flat * q).to(dy.dtype)
+        left = None if act.monotone else _bits.unpack(bits, y.numel())
+        dx = (dy_flat * _exact.derivative_from_output(act, y_flat, left)).to(dy.dtype)
     elif backend_for(y) == "triton":
         from invact import _triton
 
         dx = _triton.backward(activation, y_flat, bits, dy_flat, precision_bit)
     elif _cpu.available() and y.device.type == "cpu":
-        if precision_bit:
+        if act.monotone:
+            dx = _cpu.backward(activation, y_flat, dy_flat)
+        elif precision_bit:
             dx = _cpu.backward(activation, y_flat, dy_flat, flags=_bits.int_view(y_flat))
         else:
             dx = _cpu.backward(activation, y_flat, dy_flat, bits=bits)
@@ -120,10 +134,13 @@ def _backward(
 
 def torch_backward(act: Activation, y, bits, dy, precision_bit: bool) -> torch.Tensor:
     """The portable backward from the generated torch functions (flat tensors, any device)."""
-    left = _bits.lsb(y) if precision_bit else _bits.unpack(bits, y.numel())
     y32 = y.float()
-    q = torch.where(left, act.generated.q_left(y32), act.generated.q_right(y32))
-    q = torch.where(torch.isfinite(y32), q, torch.nan)  # x = +-inf or NaN: NaN, as torch
+    if act.monotone:  # q itself at y = +-inf (softplus: x = +-inf, as torch); NaN stays NaN
+        q = torch.where(torch.isnan(y32), torch.nan, act.generated.q_right(y32))
+    else:
+        left = _bits.lsb(y) if precision_bit else _bits.unpack(bits, y.numel())
+        q = torch.where(left, act.generated.q_left(y32), act.generated.q_right(y32))
+        q = torch.where(torch.isfinite(y32), q, torch.nan)  # x = +-inf or NaN: NaN, as torch
     return (dy.float() * q).to(dy.dtype)
 
 
@@ -139,13 +156,13 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(bits)
     if bits.numel():
         ctx.save_for_backward(y, bits)
-    else:  # precision-bit mode (or an empty input): nothing beyond y
+    else:  # precision-bit mode, a monotone activation or an empty input: nothing beyond y
         ctx.save_for_backward(y)
 
 
 def _autograd_backward(ctx, dy, _dbits):
     y, *rest = ctx.saved_tensors
-    bits = rest[0] if rest else y.new_empty(0, dtype=torch.uint8)  # precision-bit mode saves y alone
+    bits = rest[0] if rest else y.new_empty(0, dtype=torch.uint8)  # no bits were saved
     return torch.ops.invact.backward(dy, y, bits, ctx.activation, ctx.precision_bit), None, None
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU
+from invact.functional import softplus_unsupported
+from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU, InvActSoftplus
 
 log = logging.getLogger("invact")
 Factory = Callable[[nn.Module, str], nn.Module]
@@ -32,6 +33,7 @@ REPLACEABLE: dict[str, Factory] = {
     "torch.nn.modules.activation.GELU": lambda m, mode: InvActGELU(m.approximate, mode=mode),
     "torch.nn.modules.activation.SiLU": _SILU,
     "torch.nn.modules.activation.Mish": _MISH,
+    "torch.nn.modules.activation.Softplus": lambda m, mode: InvActSoftplus(m.beta, m.threshold, mode=mode),
     # transformers.activations
     "transformers.activations.GELUActivation": _EXACT,  # F.gelu, or x/2 (1 + erf(x/sqrt 2)) in Python
     "transformers.activations.GELUTanh": _TANH,  # F.gelu(approximate="tanh"), or its Python formula
@@ -50,6 +52,12 @@ REPLACEABLE: dict[str, Factory] = {
     "timm.layers.activations.QuickGELU": _QUICK,  # x sigmoid(1.702 x)
     "timm.layers.activations.Swish": _SILU,  # x sigmoid(x)
     "timm.layers.activations.Mish": _MISH,  # x tanh(softplus(x)): F.mish to rounding
+}
+
+# Replaceable classes whose instances may be configured beyond what InvAct reproduces: module -> the
+# reason to leave it alone, or None.
+CONDITIONS: dict[str, Callable[[nn.Module], str | None]] = {
+    "torch.nn.modules.activation.Softplus": lambda m: softplus_unsupported(m.beta, m.threshold),
 }
 
 # Activations deliberately left alone, with the reason.
@@ -103,9 +111,12 @@ def plan(model: nn.Module, *, include=None, exclude=None) -> list[Decision]:
     decisions = []
     for name, module in model.named_modules(remove_duplicate=False):
         cls = _qualname(module)
-        if isinstance(module, (InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish)):
+        if isinstance(module, (InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish, InvActSoftplus)):
             continue
-        if cls in REPLACEABLE:
+        unsupported = CONDITIONS[cls](module) if cls in CONDITIONS else None
+        if cls in REPLACEABLE and unsupported:
+            decisions.append(Decision(name, cls, False, unsupported))
+        elif cls in REPLACEABLE:
             if _selected(name, include, exclude):
                 decisions.append(Decision(name, cls, True, "reproduced exactly"))
             else:

@@ -4,6 +4,8 @@ A family is built for one activation by a builder registered in FAMILIES. Derive
 (quick_gelu = silu scaled) get their base's family with y replaced by a*y (see `derive`), and are not
 refitted: their coefficients are the base's. A builder registered with `native=True` builds its forms
 from the activation's own f and f', so derived activations get a family (and a fit) of their own.
+A monotone activation has one branch ("right") and only families registered with `monotone=True`
+(`exact`) fit it; the others fit the two branches of a non-monotone one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class BranchForm:
 class Family:
     name: str
     activation: str
-    branches: dict[str, BranchForm]  # "left", "right"
+    branches: dict[str, BranchForm]  # Activation.branches: "left", "right", or "right" alone
     published: bool  # True when `start` holds coefficients published for this very activation
     source: str  # where the form and the start come from
     fitted_on: str = ""  # the activation whose fit gives the coefficients ("" = this one)
@@ -49,13 +51,18 @@ class Family:
 FamilyBuilder = Callable[[Activation], Family]
 FAMILIES: dict[str, FamilyBuilder] = {}
 NATIVE: set[str] = set()  # families built for derived activations directly, not derived from the base
+MONOTONE: set[str] = set()  # families for monotone activations (one branch); the rest need two
 
 
-def register(name: str, native: bool = False) -> Callable[[FamilyBuilder], FamilyBuilder]:
+def register(
+    name: str, native: bool = False, monotone: bool = False
+) -> Callable[[FamilyBuilder], FamilyBuilder]:
     def wrap(builder: FamilyBuilder) -> FamilyBuilder:
         FAMILIES[name] = builder
         if native:
             NATIVE.add(name)
+        if monotone:
+            MONOTONE.add(name)
         return builder
 
     return wrap
@@ -64,6 +71,16 @@ def register(name: str, native: bool = False) -> Callable[[FamilyBuilder], Famil
 class UnknownFamily(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+def require_two_branches(name: str, act: Activation) -> None:
+    """Raise UnknownFamily when a two-branch family (any but MONOTONE; also 'search') meets a monotone
+    activation."""
+    if act.monotone and name not in MONOTONE:
+        raise UnknownFamily(
+            f"{act.name} is monotone (one branch, no bit), and family {name!r} fits two branches: "
+            f"use --family {' or --family '.join(sorted(MONOTONE))}"
+        )
 
 
 def derive(base: Family, activation: str, scale: float) -> Family:
@@ -86,6 +103,7 @@ def get_family(name: str, activation: str) -> Family:
     if name not in FAMILIES:
         raise UnknownFamily(f"unknown family {name!r} (choose from {', '.join(sorted(FAMILIES))})")
     act = get_activation(activation)
+    require_two_branches(name, act)
     if act.derivation is not None and name not in NATIVE:
         base = get_family(name, act.derivation.base)
         return derive(base, activation, act.derivation.scale)
@@ -93,4 +111,4 @@ def get_family(name: str, activation: str) -> Family:
 
 
 # Builders register themselves on import.
-from fitting.families import floor, paper  # noqa: E402, F401
+from fitting.families import exact, floor, paper  # noqa: E402, F401

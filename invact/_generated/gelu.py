@@ -9,6 +9,7 @@ import torch
 
 ACTIVATION = 'gelu'
 FAMILY = 'floor'
+MONOTONE = False
 THRESHOLD = -0.7517915246935645  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.16997120747990363  # f(T)
 # Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.

@@ -9,6 +9,7 @@ import torch
 
 ACTIVATION = 'gelu_tanh'
 FAMILY = 'floor'
+MONOTONE = False
 THRESHOLD = -0.7524614220710162  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.17004075057125406  # f(T)
 # Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.

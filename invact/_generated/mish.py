@@ -9,6 +9,7 @@ import torch
 
 ACTIVATION = 'mish'
 FAMILY = 'floor'
+MONOTONE = False
 THRESHOLD = -1.1924312145154954  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.30884341301725043  # f(T)
 # Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.

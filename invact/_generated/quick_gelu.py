@@ -9,6 +9,7 @@ import torch
 
 ACTIVATION = 'quick_gelu'
 FAMILY = 'floor'
+MONOTONE = False
 THRESHOLD = -0.7511542554412891  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.16361018963635354  # f(T)
 # Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.

@@ -9,6 +9,7 @@ import torch
 
 ACTIVATION = 'silu'
 FAMILY = 'floor'
+MONOTONE = False
 THRESHOLD = -1.278464542761074  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.27846454276107385  # f(T)
 # Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.

@@ -16,7 +16,9 @@ def test_small_run_writes_results(tmp_path):
     proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert len(data["rows"]) == 2 * len(ACTIVATIONS) and all(r["seconds"] > 0 for r in data["rows"])
+    rows = [(r["activation"], r["branch"]) for r in data["rows"]]
+    assert rows == [(name, b) for name, act in ACTIVATIONS.items() for b in act.branches]
+    assert all(r["seconds"] > 0 for r in data["rows"])
     assert "| gelu | left |" in proc.stdout
 
 

@@ -13,6 +13,7 @@ import codegen.__main__ as codegen_main
 from codegen.coeffs_json import Y, load
 from codegen.printers import ScalarPrinter, TorchPrinter, TritonPrinter, function_body
 from codegen.render import COEFFS, GENERATED, ROOT, render_all
+from fitting.activations import ACTIVATIONS
 from fitting.evaluate import compile_q
 
 DEFAULTS = json.loads((COEFFS / "defaults.json").read_text())
@@ -57,6 +58,23 @@ def test_generated_torch_functions_equal_the_expression(path):
         got = getattr(gen, f"q_{name}")(torch.from_numpy(y)).numpy()
         # The same float64 operations up to reassociation by the printers: measured <= 4.7e-16 relative.
         np.testing.assert_allclose(got, want, rtol=1e-15, atol=1e-15)
+
+
+def test_monotone_module_has_one_branch_and_no_threshold():
+    gen = importlib.import_module("invact._generated.softplus")
+    assert (gen.MONOTONE, gen.THRESHOLD, gen.Y_MIN, gen.FAMILY) == (True, None, 0.0, "exact")
+    assert list(gen.ERRORS) == list(gen.STORAGE_FLOOR) == ["right"]
+    texts = {s: (GENERATED / f"softplus{s}.py").read_text() for s in ("", "_cpu", "_triton")}
+    for suffix, name in (("", "q_right"), ("_cpu", "q_right_scalar"), ("_triton", "q_right")):
+        assert f"def {name}(" in texts[suffix] and "q_left" not in texts[suffix], suffix
+        prose = texts[suffix].replace("THRESHOLD = None\n", "").lower()  # comments and docstrings
+        assert "threshold" not in prose and "bit 0" not in prose and "bit 1" not in prose, suffix
+        assert "monotone: one branch, no bit" in texts[suffix], suffix
+    y = torch.tensor([0.0, 1e-3, 1.0, 30.0], dtype=torch.float64)
+    torch.testing.assert_close(gen.q_right(y), -torch.expm1(-y), rtol=0, atol=2.3e-16)  # 1 - exp(-y)
+    for activation in DEFAULTS:  # the others keep two branches and a threshold, with MONOTONE = False
+        other = importlib.import_module(f"invact._generated.{activation}")
+        assert other.MONOTONE == ACTIVATIONS[activation].monotone == (other.THRESHOLD is None)
 
 
 def test_printers_on_small_expressions():

@@ -28,6 +28,15 @@ VALID = {
 }
 
 
+def _monotone(doc: dict) -> dict:
+    """VALID turned into a monotone activation's file: the one branch "right", threshold null."""
+    doc = copy.deepcopy(doc)
+    doc.update(activation="softplus", family="exact", threshold=None, y_min=0.0)
+    del doc["branches"]["left"]
+    doc["branches"]["right"].update(expression="1 - exp(-y)", coefficients={}, flops=4)
+    return doc
+
+
 def _write(tmp_path, doc, name="c.json"):
     path = tmp_path / name
     path.write_text(json.dumps(doc))
@@ -57,7 +66,11 @@ def test_substituted_expression_has_only_y():
     [
         (lambda d: d.pop("y_min"), r"c\.json: y_min: missing"),
         (lambda d: d.update(schema="invact-coeffs/2"), r"schema: expected 'invact-coeffs/1'"),
-        (lambda d: d["branches"].pop("right"), r"branches: expected exactly \['left', 'right'\]"),
+        (
+            lambda d: d["branches"].pop("right"),
+            r"branches: expected exactly \['left', 'right'\] \(or \['right'\] for a monotone activation\), "
+            r"got \['left'\]",
+        ),
         (
             lambda d: d["branches"]["left"]["coefficients"].update(c1="x"),
             r"branches\.left\.coefficients\.c1: not a",
@@ -89,6 +102,14 @@ def test_substituted_expression_has_only_y():
             r"branches\.left\.expression: cannot parse",
         ),
         (lambda d: d.update(threshold=None), r"threshold: not a finite number"),
+        # A monotone file (branches exactly ["right"]) must say threshold null, and only it may.
+        (lambda d: d["branches"].pop("left"), r"threshold: must be null when branches are \['right'\]"),
+        (lambda d: d.update(_monotone(d) | {"threshold": -1.0}), r"threshold: must be null when branches"),
+        (lambda d: (d.update(_monotone(d)), d.pop("threshold")), r"c\.json: threshold: missing"),
+        (
+            lambda d: d.update(_monotone(d), branches={"right": d["branches"]["right"], "middle": {}}),
+            r"branches: expected exactly .* got \['middle', 'right'\]",
+        ),
     ],
 )
 def test_validation_names_file_and_field(tmp_path, mutate, message):
@@ -97,6 +118,15 @@ def test_validation_names_file_and_field(tmp_path, mutate, message):
     with pytest.raises(CoeffsError, match=message) as info:
         load(_write(tmp_path, doc))
     assert str(info.value).startswith(str(tmp_path / "c.json"))
+
+
+def test_monotone_file_round_trips(tmp_path):
+    coeffs = load(_write(tmp_path, _monotone(VALID)))
+    assert coeffs.threshold is None and coeffs.monotone and list(coeffs.branches) == ["right"]
+    assert not from_dict(copy.deepcopy(VALID)).monotone
+    save(coeffs, tmp_path / "a.json")
+    assert '"threshold": null' in (tmp_path / "a.json").read_text()
+    assert load(tmp_path / "a.json") == coeffs
 
 
 def test_corrupt_and_missing_files(tmp_path):

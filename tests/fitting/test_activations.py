@@ -3,8 +3,9 @@
 import mpmath as mp
 import numpy as np
 import pytest
+import sympy
 
-from fitting.activations import ACTIVATIONS, UnknownActivation, get_activation
+from fitting.activations import ACTIVATIONS, Activation, UnknownActivation, get_activation
 
 mp.mp.dps = 30
 
@@ -21,6 +22,8 @@ def _mp_f(name: str, x):
         return x / (1 + mp.exp(-mp.mpf("1.702") * x))
     if name == "mish":
         return x * mp.tanh(mp.log1p(mp.exp(x)))
+    if name == "softplus":
+        return mp.log1p(mp.exp(x))
     raise KeyError(name)
 
 
@@ -55,7 +58,10 @@ def test_f_and_derivative_match_mpmath(name):
     assert worst_df_tail <= 1.2e-13
 
 
-@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+TWO_BRANCH = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone)
+
+
+@pytest.mark.parametrize("name", TWO_BRANCH)
 def test_threshold_is_the_root_of_the_derivative(name):
     act = ACTIVATIONS[name]
     t_ref = mp.findroot(lambda t: mp.diff(lambda u: _mp_f(name, u), t), act.threshold)
@@ -77,6 +83,27 @@ def test_quick_gelu_is_scaled_silu():
     assert q.y_min == pytest.approx(s.y_min / a, rel=1e-14)
     x = np.linspace(-10, 10, 101)
     np.testing.assert_allclose(q.df(x), s.df(a * x), rtol=0, atol=0)
+
+
+def test_monotone_entry_has_one_branch_and_its_infimum():
+    act = get_activation("softplus")
+    assert act.monotone and act.branches == ("right",) and act.threshold == -np.inf
+    assert act.y_min == 0.0  # inf softplus = lim_{x -> -inf} log(1 + e^x), exactly 0 in float64
+    assert get_activation("gelu").branches == ("left", "right")
+    # exact_q is f'(f^-1(y)): at x, with y = f(x), it equals f'(x). Measured 1.1e-16 (ulp(1)/2) on this
+    # grid; twice that allowed. Any wrong closed form is off by far more.
+    x = np.linspace(-30, 30, 601)
+    q = sympy.lambdify(sympy.Symbol("y"), sympy.sympify(act.exact_q))(act.f(x))
+    np.testing.assert_allclose(q, act.df(x), rtol=0, atol=2.3e-16)
+
+
+def test_registry_rejects_inconsistent_entries():
+    silu = get_activation("silu")
+    with pytest.raises(ValueError, match="exact_q is one expression, for a monotone activation only"):
+        Activation("bad", silu.f, silu.df, "x", exact_q="1")
+    # SiLU decreases left of T: it is not monotone, and saying so must fail.
+    with pytest.raises(ValueError, match=r"monotone=True needs f' >= 0 and a finite f\(-inf\)"):
+        Activation("bad", silu.f, silu.df, "x", monotone=True)
 
 
 def test_unknown_activation_message_lists_choices():

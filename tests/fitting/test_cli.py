@@ -21,9 +21,22 @@ def _run(*args):
     [
         (
             ["relu", "--family", "paper"],
-            "unknown activation 'relu' (choose from gelu, gelu_tanh, mish, quick_gelu, silu)",
+            "unknown activation 'relu' (choose from gelu, gelu_tanh, mish, quick_gelu, silu, softplus)",
         ),
-        (["gelu", "--family", "magic"], "unknown family 'magic' (choose from floor, paper)"),
+        (["gelu", "--family", "magic"], "unknown family 'magic' (choose from exact, floor, paper)"),
+        (
+            ["gelu", "--family", "exact"],
+            "family 'exact' has no form for 'gelu': no closed form of f'(f^-1(y)) is registered for it "
+            "(Activation.exact_q, monotone activations only)",
+        ),
+        *(
+            (
+                ["softplus", "--family", family],
+                f"softplus is monotone (one branch, no bit), and family '{family}' fits two branches: "
+                "use --family exact",
+            )
+            for family in ("paper", "floor", "search")
+        ),
     ],
 )
 def test_unknown_names_fail_in_one_line(tmp_path, capsys, args, message):
@@ -72,6 +85,24 @@ def test_full_run_writes_valid_json_byte_identically_and_a_plot(tmp_path):
     assert again.returncode == 0 and out.read_bytes() == data
     assert sorted(p.name for p in out.parent.iterdir()) == ["silu.json"]
     assert json.loads(data)["schema"] == "invact-coeffs/1"
+
+
+@pytest.mark.slow
+def test_monotone_exact_fit_writes_one_branch_byte_identically(tmp_path):
+    out = tmp_path / "softplus.json"
+    first = _run("softplus", "--family", "exact", "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    assert "exact *" in first.stdout and "lstsq" not in first.stdout and "better" not in first.stdout
+    data = out.read_bytes()
+    coeffs = load(out)
+    assert coeffs.threshold is None and coeffs.monotone and list(coeffs.branches) == ["right"]
+    right = coeffs.branches["right"]
+    assert (right.expression, right.coefficients, right.flops) == ("1 - exp(-y)", {}, 4)
+    assert coeffs.provenance["selected"] == {"right": "exact"}
+    # A closed form: float64 rounding only (measured linf 2.2e-16), far below the fp32 floor (2.2e-8).
+    assert right.errors["linf_fp32"] <= 1e-15 < right.storage_floor["fp32"]
+    assert _run("softplus", "--family", "exact", "--out", str(out)).returncode == 0
+    assert out.read_bytes() == data
 
 
 @pytest.mark.slow

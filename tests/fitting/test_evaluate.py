@@ -7,11 +7,14 @@ import sympy
 from fitting.activations import get_activation
 from fitting.evaluate import (
     FORMATS,
+    branch_x_range,
     compile_q,
     count_flops,
     dtype_eval_points,
     errors,
+    l2,
     lattice,
+    metric_x_grid,
     round_to,
     storage_floors,
 )
@@ -89,3 +92,26 @@ def test_compile_q_and_flops():
     x = sympy.Symbol("x")
     assert count_flops(x**3 + 2 * x) == 4  # x*x*x (2), 2*x (1), + (1)
     assert count_flops(sympy.sqrt(x) * (sympy.sqrt(x) + 1)) == 3  # sqrt once after CSE, +, *
+
+
+def test_monotone_grids_cover_the_whole_line_without_a_cusp():
+    act = get_activation("softplus")
+    x = metric_x_grid(act, "right")
+    np.testing.assert_array_equal(x, np.linspace(-20.0, 20.0, x.size))  # uniform only: no point near T
+    assert branch_x_range(act, "right") == (-20.0, 20.0)
+    # The dtype lattices start at f(-20) (y_min = 0 is at x = -inf, outside the range): for fp32 the
+    # first 2^16 values from round(f(-20)), every one of them evaluated.
+    y = dtype_eval_points(act, "right", FORMATS["fp32"])
+    first = lattice(FORMATS["fp32"], float(act.f(np.float64(-20.0))), 20.0)
+    assert y.min() == first[0] == np.float32(act.f(np.float64(-20.0))) and np.isin(first, y).all()
+    assert y.max() == np.float32(act.f(np.float64(20.0)))
+
+
+def test_monotone_l2_weighs_the_whole_line():
+    act = get_activation("softplus")
+    # q = f'(f^-1(y)) + 1 everywhere: RMS 1 exactly when every x of the N(0, 1) quadrature counts.
+    assert l2(act, "right", lambda y: 2.0 - np.exp(-y)) == pytest.approx(1.0, rel=1e-12)
+    # A q that is 0 for x < 0 (y < log 2) is off by sigmoid(x) there: RMS sqrt(E[sigmoid(x)^2; x < 0])
+    # = 0.24344 by quadrature (scipy.integrate.quad); 0 if the metric dropped the left half of the line.
+    half = l2(act, "right", lambda y: np.where(y >= np.log(2.0), 1.0 - np.exp(-y), 0.0))
+    assert half == pytest.approx(0.24344, rel=1e-4)

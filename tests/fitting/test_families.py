@@ -60,7 +60,7 @@ def test_quick_gelu_is_silu_rescaled():
 
 
 def test_unknown_family_and_unsupported_activation():
-    with pytest.raises(UnknownFamily, match="unknown family 'nope' \\(choose from floor, paper"):
+    with pytest.raises(UnknownFamily, match="unknown family 'nope' \\(choose from exact, floor, paper"):
         get_family("nope", "gelu")
     assert Y.name == "y"
 
@@ -93,3 +93,28 @@ def test_floor_needs_the_right_decay():
     bare = Activation("bare", act.f, act.df, "x")
     with pytest.raises(UnknownFamily, match="needs bare's right_decay"):
         right_form(bare, 1.0)
+
+
+def test_exact_family_is_the_registry_closed_form_without_coefficients():
+    family = get_family("exact", "softplus")
+    assert list(family.branches) == ["right"]
+    form = family.branches["right"]
+    assert form.start == {} and form.expression == sympy.sympify("1 - exp(-y)", locals={"y": Y})
+    y = np.array([0.0, 1e-30, 1.0, 50.0])
+    np.testing.assert_array_equal(compile_q(form.expression)(y), 1 - np.exp(-y))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "quick_gelu", "mish"])
+def test_exact_family_needs_a_registered_closed_form(activation):
+    with pytest.raises(UnknownFamily, match=f"family 'exact' has no form for '{activation}': no closed form"):
+        get_family("exact", activation)
+
+
+@pytest.mark.parametrize("family", ["paper", "floor"])
+def test_two_branch_families_refuse_a_monotone_activation(family):
+    with pytest.raises(UnknownFamily) as info:
+        get_family(family, "softplus")
+    assert str(info.value) == (
+        f"softplus is monotone (one branch, no bit), and family '{family}' fits two branches: "
+        "use --family exact"
+    )

@@ -47,3 +47,16 @@ def test_pipeline_picks_smallest_fp32_error_and_records_provenance():
     assert doc.provenance["selected"] == {b: r.chosen.label for b, r in fit.branches.items()}
     assert doc.threshold == pytest.approx(get_activation("silu").threshold / 1.702, rel=1e-14)
     assert np.isfinite([doc.branches[b].errors["linf"] for b in ("left", "right")]).all()
+
+
+def test_pipeline_measures_a_form_without_coefficients_as_is():
+    fit = fit_family("softplus", "exact", SMALL)
+    assert fit.threshold is None and list(fit.branches) == ["right"]
+    result = fit.branches["right"]
+    assert [c.label for c in result.candidates] == ["exact"] and result.chosen.coefficients == {}
+    # 1 - exp(-y) is f'(f^-1(y)) itself: float64 rounding only (measured 2.2e-16 in every metric).
+    assert max(result.chosen.errors.values()) <= 1e-15
+    assert result.flops == 4  # 1 + (-1)*exp((-1)*y) by count_flops' rules: two products, exp, a sum
+    assert 1e-8 < result.storage_floor["fp32"] < result.storage_floor["fp16"] < result.storage_floor["bf16"]
+    doc = fit.coeff_file("invact-fit softplus --family exact")
+    assert doc.threshold is None and doc.y_min == 0.0 and doc.monotone

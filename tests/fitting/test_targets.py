@@ -4,22 +4,28 @@ import numpy as np
 import pytest
 
 from fitting.activations import ACTIVATIONS
-from fitting.targets import BRANCHES, branch_of, invert, target
+from fitting.targets import branch_of, invert, target
+
+PAIRS = [(name, branch) for name in sorted(ACTIVATIONS) for branch in ACTIVATIONS[name].branches]
+TWO_BRANCH = sorted(name for name, act in ACTIVATIONS.items() if not act.monotone)
 
 
 def _branch_points(act, branch, n=20000):
+    """x at distances d from T (geometric from 1e-13 and random) on the branch; both ways from 0 for a
+    monotone activation. y = f(x), without the tails where |y| < 1e-300."""
     rng = np.random.default_rng(0)
-    sign = -1.0 if branch == "left" else 1.0
     d = np.concatenate([np.geomspace(1e-13, 700, n), rng.exponential(3.0, n)])
-    x = act.threshold + sign * d
+    if act.monotone:
+        x = np.concatenate([-d, d])
+    else:
+        x = act.threshold + (-d if branch == "left" else d)
     with np.errstate(all="ignore"):
         y = act.f(x)
-    keep = np.isfinite(y) & ((y < -1e-300) if branch == "left" else True)
+    keep = np.isfinite(y) & ((y < -1e-300) if branch == "left" else (y > 1e-300) if act.monotone else True)
     return x[keep], y[keep]
 
 
-@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
-@pytest.mark.parametrize("branch", BRANCHES)
+@pytest.mark.parametrize(("name", "branch"), PAIRS)
 def test_backward_error_within_a_few_ulp(name, branch):
     act = ACTIVATIONS[name]
     _, y = _branch_points(act, branch)
@@ -31,7 +37,7 @@ def test_backward_error_within_a_few_ulp(name, branch):
     assert np.max(np.abs(act.f(x) - y) / bound) <= 8
 
 
-@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("name", TWO_BRANCH)
 def test_recovers_x_at_the_cusp(name):
     act = ACTIVATIONS[name]
     for branch, sign in (("left", -1), ("right", 1)):
@@ -46,7 +52,7 @@ def test_recovers_x_at_the_cusp(name):
 def test_exactly_at_and_below_the_cusp():
     act = ACTIVATIONS["silu"]
     y = np.array([act.y_min, act.y_min - 1e-3, -0.279296875])  # bf16 rounds silu's y_min below it
-    for branch in BRANCHES:
+    for branch in ("left", "right"):
         np.testing.assert_array_equal(invert(act, y, branch), act.threshold)
         np.testing.assert_allclose(target(act, y, branch), 0.0, atol=1e-15)
 
@@ -64,6 +70,24 @@ def test_tails_and_special_values():
     # Deep left tail: GELU(-37) ~ -1e-299, f' there ~ 4e-296.
     x = np.array([-37.0, -30.0, -20.0, -10.0])
     np.testing.assert_allclose(invert(act, act.f(x), "left"), x, rtol=1e-14)
+
+
+def test_monotone_target_is_the_closed_form():
+    act = ACTIVATIONS["softplus"]
+    x, y = _branch_points(act, "right")  # x in [-700, 700], y from 1e-300 up
+    t = target(act, y, "right")
+    want = -np.expm1(-y)  # softplus: f'(f^-1(y)) = 1 - exp(-y), without cancellation for small y
+    # Relative error: the inverted x is good to about ulp(x), which moves sigmoid(x) by ~|x| eps relative
+    # in the left tail. Measured max |t - want| / (eps (1 + |x|) want) = 1.5; 3 allowed.
+    assert np.max(np.abs(t - want) / (np.finfo(float).eps * (1 + np.abs(x)) * want)) <= 3
+    # Conventions: y <= y_min = 0 is x = -inf with target 0; below the table (f(-700) ~ 1e-304) the
+    # inversion still brackets; huge y is x = y; non-finite y gives NaN.
+    y = np.array([0.0, -0.0, -1.0, 1e-310, 1e300, np.nan, np.inf])
+    x = invert(act, y, "right")
+    assert np.all(np.isneginf(x[:3])) and np.all(np.isnan(x[5:]))
+    assert act.f(x[3]) == 1e-310 and x[4] == 1e300
+    np.testing.assert_array_equal(target(act, y[:3], "right"), 0.0)
+    assert np.all(branch_of(act, np.array([-1e300, 0.0, 1e300])) == 0)  # no bit: every x is "right"
 
 
 def test_shape_is_kept():

@@ -47,6 +47,15 @@ def test_only_the_output_and_the_bits_are_held(act):
     assert list(saved.values()) == [(n + 7) // 8]  # and ceil(n/8) bytes of bits: nothing else
 
 
+def test_a_monotone_activation_holds_the_output_alone():
+    h = torch.randn(33, 96, requires_grad=True)
+    model = ActThenLinear(invact.InvActSoftplus())
+    saved = saved_storages(model, h)
+    assert list(saved) == [model.y.untyped_storage().data_ptr()]  # y, shared with the Linear: no bits
+    torch_saved = saved_storages(ActThenLinear(nn.Softplus()), h)
+    assert len(torch_saved) == 2  # torch: the input and the output
+
+
 def test_precision_bit_adds_nothing_and_torch_holds_both():
     h = torch.randn(33, 96, requires_grad=True)
     n = h.numel()
