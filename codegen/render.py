@@ -16,6 +16,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import sympy
+
 from codegen.coeffs_json import CoeffFile, load
 from codegen.printers import ScalarPrinter, TorchPrinter, TritonPrinter, function_body
 
@@ -88,8 +90,33 @@ STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
 {_functions(c, TorchPrinter(), "", annotate=True)}'''
 
 
+def _left_first_piece(c: CoeffFile, printer: ScalarPrinter) -> str:
+    """When the left branch is a Piecewise: its first piece alone and the condition under which it is
+    the value. The numba kernel evaluates it instead of the whole branch for blocks of elements
+    where the condition holds (the left tail, x << T, is rare in pre-activations), skipping the
+    other pieces' log. Empty otherwise."""
+    if c.monotone:
+        return ""
+    expr = c.branches["left"].sympy_expression()
+    if not isinstance(expr, sympy.Piecewise) or len(expr.args) < 2:
+        return ""
+    (value, cond), *_ = expr.args
+    return f'''
+
+def q_left_first_scalar(y):
+    """q_left_scalar(y) wherever left_first_holds(y): the left branch's first piece alone."""
+{function_body(value, printer)}
+
+
+def left_first_holds(y):
+    """Where q_left_first_scalar is the left branch's value."""
+    return {printer.doprint(cond)}
+'''
+
+
 def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
     title = f"{c.activation}, family {c.family!r}: q {_per_branch(c)} as fp32 scalar functions for numba."
+    printer = ScalarPrinter()
     return f'''{_header(sources)}"""{title}"""
 
 import math  # noqa: F401
@@ -97,7 +124,7 @@ import math  # noqa: F401
 from invact._cpu_math import F, exp32, log32  # noqa: F401
 
 
-{_functions(c, ScalarPrinter(), "_scalar")}'''
+{_functions(c, printer, "_scalar")}{_left_first_piece(c, printer)}'''
 
 
 _TRITON_JIT = "@triton.jit\n"

@@ -29,6 +29,11 @@ def available() -> bool:
 # 2.9 -> 2.2 ms on 2^22 elements, results within 6e-7 of the strict build.
 _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _BLOCK = 2**20  # elements per kernel call in bits mode: the unpacked flags (1 MB) are reused per block
+# The left branch's later pieces (its tail, x << T: under 0.1% of N(0, 1) pre-activations) cost a
+# log, a sqrt and a polynomial per element. The kernel evaluates the first piece everywhere, then
+# redoes only the left elements outside it, checking blocks of this many elements: silu's backward
+# kernel on 2^22 elements measured 17.7 -> 10.3 ms.
+_SKIP_BLOCK = 256
 
 
 @functools.cache
@@ -51,13 +56,30 @@ def _kernel(activation: str):
         return monotone_kernel
 
     q_left = numba.njit(inline="always", fastmath=_FASTMATH)(gen.q_left_scalar)
+    has_first = hasattr(gen, "q_left_first_scalar")  # codegen emits it when the left branch is piecewise
+    q_first = (
+        numba.njit(inline="always", fastmath=_FASTMATH)(gen.q_left_first_scalar) if has_first else q_left
+    )
+    holds = numba.njit(inline="always")(gen.left_first_holds if has_first else lambda y: True)
+    one = np.uint8(1)
 
     @numba.njit(parallel=True, fastmath=_FASTMATH)
     def kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
-        for i in numba.prange(y.size):
-            a, b = q_left(y[i]), q_right(y[i])  # both, then select: branch-free, so it vectorizes
+        for i in numba.prange(y.size):  # both branches, then a select: branch-free, so it vectorizes
+            a, b = q_first(y[i]), q_right(y[i])  # the left branch's first piece stands in for it...
             q = a if flags[i] & 1 else b
-            dx[i] = dy[i] * (q if abs(y[i]) < inf else nan)  # non-finite y (x = +-inf or NaN): NaN, as torch
+            dx[i] = dy[i] * (q if abs(y[i]) < inf else nan)  # y = +-inf or NaN: NaN, as torch
+        if has_first:  # ...and the rare left elements outside it are redone, block by block
+            for block in numba.prange((y.size + _SKIP_BLOCK - 1) // _SKIP_BLOCK):
+                lo, hi = block * _SKIP_BLOCK, min((block + 1) * _SKIP_BLOCK, y.size)
+                rest = np.uint8(0)
+                for i in range(lo, hi):  # branch-free test first: it vectorizes
+                    rest |= (flags[i] & one) & (one ^ np.uint8(holds(y[i])))
+                if rest:
+                    for i in range(lo, hi):
+                        if flags[i] & 1 and not holds(y[i]):
+                            q = q_left(y[i])
+                            dx[i] = dy[i] * (q if abs(y[i]) < inf else nan)
 
     return kernel
 

@@ -91,3 +91,18 @@ def test_printers_on_small_expressions():
     assert piecewise.strip() == "return (y if (y < F(0.0)) else F(2.0)*y)"
     with pytest.raises(ValueError, match="free symbols besides y"):
         function_body(Y + sympy.Symbol("c0"), TorchPrinter())
+
+
+@pytest.mark.parametrize("activation", sorted(a for a in DEFAULTS if not ACTIVATIONS[a].monotone))
+def test_left_first_piece_is_the_left_branch_where_it_holds(activation):
+    # The numba kernel evaluates q_left_first_scalar everywhere and redoes only the elements where
+    # left_first_holds is false, so the two must agree exactly wherever it holds, and the condition
+    # must hold near the cusp and fail in the far tail.
+    gen = importlib.import_module(f"invact._generated.{activation}_cpu")
+    act = ACTIVATIONS[activation]
+    ys = np.float32(act.y_min) * np.linspace(1.0, 1e-6, 200, dtype=np.float32)  # the left branch's range
+    holds = [bool(gen.left_first_holds(y)) for y in ys]
+    assert holds[0] and not holds[-1]
+    for y, h in zip(ys, holds, strict=True):
+        if h:
+            assert gen.q_left_first_scalar(y) == gen.q_left_scalar(y), y
