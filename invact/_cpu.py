@@ -3,10 +3,11 @@ fp32 scalar functions (invact/_generated/<act>_cpu.py), and the forward's bit pa
 without numba the torch backend falls back to torch ops and the generated torch functions (correct,
 ~15x slower than torch's own backward).
 
-The kernel reads y, one branch flag per element (none for a monotone activation) and dy, and writes
-dx in one parallel pass, in fp32.
+The backward reads y, one branch flag per element (none for a monotone activation) and dy, and
+writes dx in fp32: one vectorized pass, then a fix-up of the rare left-tail elements (see _kernel).
 Half-precision tensors are converted to fp32 around it (numba has no bf16). The first call per
-activation compiles it (~2-3 s, benchmarks/speed.py reports it); later calls in the process are free.
+activation compiles it (4 to 5 s on a 2-core machine; benchmarks/speed.py reports the first call);
+later calls in the process are free.
 """
 
 from __future__ import annotations
@@ -121,6 +122,30 @@ def _pack_kernel():
             out[full] = v
 
     return pack_less
+
+
+@functools.cache
+def _lsb_kernel():
+    import numba
+    import numpy as np
+
+    clear = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
+
+    @numba.njit(parallel=True)
+    def set_lsb_less(x, y_int, threshold):  # pragma: no cover - runs compiled
+        for i in numba.prange(x.size):
+            y_int[i] = (y_int[i] & clear) | np.int32(x[i] < threshold)
+
+    return set_lsb_less
+
+
+def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Precision-bit mode in one pass: y's lowest mantissa bit := x < threshold, in place, for flat
+    contiguous float32 CPU tensors (the bool mask then two bitwise passes: three passes)."""
+    import numpy as np
+
+    _lsb_kernel()(x.numpy(), y.view(torch.int32).numpy(), np.float32(threshold))
+    return y
 
 
 def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:

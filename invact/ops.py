@@ -93,10 +93,13 @@ def _forward(x: torch.Tensor, activation: str, precision_bit: bool) -> tuple[tor
     if act.monotone:
         return y, no_bits
     x_flat = _flat(_like(x, y))
-    if precision_bit and not exact:
-        left = _is_left(x_flat, act.threshold)
-        return _bits.set_lsb_(y, _shaped_like(left, y)), no_bits  # y is ours
-    if x.dtype == torch.float32 and x.device.type == "cpu" and _cpu.available():
+    fused = x.dtype == torch.float32 and x.device.type == "cpu" and _cpu.available()
+    if precision_bit and not exact:  # y is ours: its lowest mantissa bit becomes the branch bit
+        if fused:
+            _cpu.set_lsb_less_(_flat(y), x_flat, act.threshold)
+            return y, no_bits
+        return _bits.set_lsb_(y, _shaped_like(_is_left(x_flat, act.threshold), y)), no_bits
+    if fused:
         return y, _cpu.pack_less(x_flat, act.threshold)
     return y, _bits.pack(_is_left(x_flat, act.threshold))
 

@@ -1,0 +1,36 @@
+"""The numba forward kernels give exactly the bits of the torch-op path they replace."""
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from invact import _bits, _cpu  # noqa: E402
+from invact.activations import ACTIVATIONS  # noqa: E402
+from invact.ops import _is_left  # noqa: E402
+
+T = ACTIVATIONS["gelu"].threshold
+
+
+def _inputs(n: int) -> torch.Tensor:
+    """Random values plus the edge cases of the comparison: T rounded to fp32, its neighbours, NaN, inf."""
+    x = torch.randn(n) * 3
+    t32 = torch.tensor(T, dtype=torch.float32)
+    below, above = torch.nextafter(t32, torch.tensor(-1.0)), torch.nextafter(t32, torch.tensor(0.0))
+    edges = torch.stack([t32, below, above, *torch.tensor([float("nan"), float("inf"), float("-inf")])])
+    x[: min(n, 6)] = edges[: min(n, 6)]
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2**16 + 5])
+def test_pack_less_matches_the_mask_then_pack(n):
+    x = _inputs(n)
+    assert torch.equal(_cpu.pack_less(x, T), _bits.pack(_is_left(x, T)))
+
+
+@pytest.mark.parametrize("n", [1, 13, 2**16 + 5])
+def test_set_lsb_less_matches_the_mask_then_set_lsb(n):
+    x = _inputs(n)
+    y = torch.randn(n)
+    want = _bits.set_lsb_(y.clone(), _is_left(x, T))
+    assert torch.equal(_cpu.set_lsb_less_(y.clone(), x, T).view(torch.int32), want.view(torch.int32))
