@@ -4,8 +4,8 @@ implementations (torch.compile traces them without graph breaks) and autograd.
 Saved for backward: y (the output: the next layer saves the same storage) and ceil(n/8) bytes of
 bits, or nothing extra in precision-bit mode or for a monotone activation (softplus). Backends:
 Triton for CUDA tensors, torch (with the numba kernel when installed) for CPU,
-INVACT_BACKEND=torch|triton to override. float64 takes the
-exact path (inversion in float64), so gradcheck holds.
+INVACT_BACKEND=torch|triton to override. float64 takes the exact path (inversion in float64), so
+gradcheck holds.
 """
 
 from __future__ import annotations

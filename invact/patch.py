@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from invact.functional import softplus_unsupported
-from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU, InvActSoftplus
+from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU, InvActSoftplus, _InvAct
 
 log = logging.getLogger("invact")
 Factory = Callable[[nn.Module, str], nn.Module]
@@ -111,7 +111,7 @@ def plan(model: nn.Module, *, include=None, exclude=None) -> list[Decision]:
     decisions = []
     for name, module in model.named_modules(remove_duplicate=False):
         cls = _qualname(module)
-        if isinstance(module, (InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish, InvActSoftplus)):
+        if isinstance(module, _InvAct):  # already patched
             continue
         unsupported = CONDITIONS[cls](module) if cls in CONDITIONS else None
         if cls in REPLACEABLE and unsupported:
