@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: fit test lint clean
+.PHONY: fit test lint clean gpu
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,9 @@ test: $(BIN)/.installed  ## lint, then the whole test suite (everything that run
 
 clean:
 	rm -rf $(VENV)
+
+# Every GPU check in one command: CUDA tests, kernel tuning sweep, the paper's time table (fp32, bf16)
+# and peak memory of training steps; results in benchmarks/results/. Uses the python that has a CUDA
+# torch (PYTHON=...); PARTS="tests tune" runs some parts only.
+gpu:  ## the GPU suite (needs a CUDA device)
+	PYTHON=$(PYTHON) bash benchmarks/gpu_suite.sh $(PARTS)

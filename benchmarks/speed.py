@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
-import platform
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +26,9 @@ from torch import nn
 
 import invact
 from invact.activations import ACTIVATIONS
+
+from timing import device_name, device_slug, median_ms, timer
+from tune import kernel_bandwidth
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (elements of the bare activation, tokens x width of the Linear/MLP/GeGLU rows, BERT batch x seq x
@@ -110,28 +111,6 @@ def setups(preset: dict, small: bool) -> list[tuple[str, Callable[[], nn.Module]
     return rows
 
 
-def _timer(device: str) -> Callable[[Callable[[], None]], float]:
-    """Milliseconds of one call: CUDA events on GPU, perf_counter on CPU."""
-    if device == "cuda":
-
-        def run(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-
-        return run
-
-    def run(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return run
-
-
 def _step(model: nn.Module, inputs: dict) -> Callable[[], None]:
     """One forward + backward(dy); float inputs get requires_grad so bare activations have a backward.
     dy is drawn once (seeded) and reused, so no loss computation dilutes the ratio."""
@@ -170,15 +149,15 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
     }
     if compile_model:
         variants["compile_ms"] = _step(torch.compile(copy.deepcopy(model)), inputs)
-    timer = _timer(device)
+    clock = timer(device)
     for step in variants.values():  # warm-up: compilation (numba, Triton, inductor), allocator
         step()
         step()
     times = {k: [] for k in variants}
     for _ in range(repeats):
         for k, step in variants.items():
-            times[k].append(timer(step))
-    row = {"name": name, **{k: statistics.median(v) for k, v in times.items()}}
+            times[k].append(clock(step))
+    row = {"name": name, **{k: median_ms(v) for k, v in times.items()}}
     row["invact_ratio"] = row["invact_ms"] / row["torch_ms"]
     row["precision_bit_ratio"] = row["precision_bit_ms"] / row["torch_ms"]
     return row
@@ -197,37 +176,6 @@ def first_call_seconds(device: str) -> float:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
     )
     return float(out.stdout.strip().splitlines()[-1])
-
-
-# Datasheet HBM bandwidth, GB/s, by a substring of torch.cuda.get_device_name().
-PEAK_GBPS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "A100-SXM4-80GB": 2039.0}
-
-
-def kernel_bandwidth(dtype: torch.dtype, n: int, repeats: int) -> dict:
-    """CUDA only: GB/s of the bare Triton forward (x -> y, bits) and backward (y, bits, dy -> dx)."""
-    from invact import _triton
-
-    act = ACTIVATIONS["gelu"]
-    x = torch.randn(n, device="cuda", dtype=dtype)
-    y = torch.empty_like(x)
-    timer = _timer("cuda")
-    size = x.element_size()
-    bits = _triton.forward("gelu", act.threshold, x, y, False)
-    fwd = statistics.median(
-        timer(lambda: _triton.forward("gelu", act.threshold, x, y, False)) for _ in range(repeats)
-    )
-    bwd = statistics.median(
-        timer(lambda: _triton.backward("gelu", y, bits, x, False)) for _ in range(repeats)
-    )
-    copy_ms = statistics.median(timer(lambda: y.copy_(x)) for _ in range(repeats))
-    gb = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
-    return {
-        "elements": n,
-        "forward_gbps": gb(n * (2 * size) + n / 8, fwd),
-        "backward_gbps": gb(n * (3 * size) + n / 8, bwd),
-        "copy_gbps": gb(2 * n * size, copy_ms),  # what a plain copy achieves on this device
-        "peak_gbps": next((v for k, v in PEAK_GBPS.items() if k in torch.cuda.get_device_name()), None),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,14 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, make_model, make_inputs in setups(preset, args.small):
         if args.only and not any(w.lower() in name.lower() for w in args.only):
             continue
-        rows.append(measure_row(name, make_model, make_inputs, args.device, dtype, repeats, compile_model))
+        try:
+            row = measure_row(name, make_model, make_inputs, args.device, dtype, repeats, compile_model)
+        except torch.OutOfMemoryError as e:  # a row too big for this device: say so, keep the others
+            row = {"name": name, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append(row)
         print(f"measured {name}", flush=True)
     if not rows:
         parser.error(f"--only {args.only} matched no row")
-    cpu = f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    device = torch.cuda.get_device_name() if args.device == "cuda" else cpu
     result = {
-        "device": device,
+        "device": device_name(args.device),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "numba": _version("numba"),
@@ -281,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         result["kernel_bandwidth"] = kernel_bandwidth(dtype, preset["elements"], repeats)
     print(markdown(result))
-    out = args.out or RESULTS / f"speed_{args.device}.json"
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    out = args.out or RESULTS / f"speed_{device_slug(args.device)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwritten to {out}")
@@ -289,15 +242,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(result: dict) -> str:
-    has_compile = "compile_ms" in result["rows"][0]
+    has_compile = any("compile_ms" in r for r in result["rows"])
     head = ["setup", "torch (ms)", "InvAct bits", "ratio", "precision-bit", "ratio"]
     head += ["torch.compile (ms)"] if has_compile else []
     lines = [f"\n{result['device']}, {result['dtype']}, forward+backward, medians\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in result["rows"]:
-        cells = [r["name"], f"{r['torch_ms']:.2f}", f"{r['invact_ms']:.2f}", f"{r['invact_ratio']:.2f}x"]
-        cells += [f"{r['precision_bit_ms']:.2f}", f"{r['precision_bit_ratio']:.2f}x"]
-        cells += [f"{r['compile_ms']:.2f}"] if has_compile else []
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['error']} |")
+            continue
+        cells = [r["name"], f"{r['torch_ms']:.3f}", f"{r['invact_ms']:.3f}", f"{r['invact_ratio']:.3f}x"]
+        cells += [f"{r['precision_bit_ms']:.3f}", f"{r['precision_bit_ratio']:.3f}x"]
+        cells += [f"{r['compile_ms']:.3f}"] if has_compile else []
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nfirst InvAct call in a fresh process: {result['first_call_s']:.2f} s")
     if "kernel_bandwidth" in result:

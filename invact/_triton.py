@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements per program; a multiple of 8 so each program owns whole bytes of bits
+BLOCK = 1024  # default elements per program (see Config)
 
 
 @triton.jit
@@ -69,10 +70,16 @@ def _int_view(v):
 
 
 @triton.jit
+def _offsets(BLOCK: tl.constexpr):
+    """(BLOCK // 8, 8) offsets within a program's block: row r is the 8 elements of its byte r."""
+    return tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+
+
+@triton.jit
 def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr, PRECISION_BIT: tl.constexpr,
                     MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = pid * BLOCK + _offsets(BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     left = x < T  # masked lanes hold 0 > T: never set a bit
@@ -82,9 +89,8 @@ def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr
     elif PRECISION_BIT:
         yi = _int_view(y)
         y = ((yi & ~1) | left.to(yi.dtype)).to(y_ptr.dtype.element_ty, bitcast=True)
-    else:
-        weights = (left.to(tl.int32) << (tl.arange(0, BLOCK) % 8)).reshape(BLOCK // 8, 8)
-        packed = tl.sum(weights, axis=1).to(tl.uint8)
+    else:  # byte r = sum over its row of bit << column: a reduction of 8 neighbours
+        packed = tl.sum(left.to(tl.int32) << tl.arange(0, 8)[None, :], axis=1).to(tl.uint8)
         boffs = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
         tl.store(bits_ptr + boffs, packed, mask=boffs < (n + 7) // 8)
     tl.store(y_ptr + offs, y, mask=mask)
@@ -94,7 +100,7 @@ def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr
 def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: tl.constexpr,
                      PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = pid * BLOCK + _offsets(BLOCK)
     mask = offs < n
     y_raw = tl.load(y_ptr + offs, mask=mask, other=0.0)
     y = y_raw.to(tl.float32)
@@ -103,9 +109,10 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
     else:
         if PRECISION_BIT:
             left = (_int_view(y_raw) & 1) != 0
-        else:
-            byte = tl.load(bits_ptr + (offs >> 3), mask=mask, other=0)
-            left = ((byte >> (offs & 7).to(tl.uint8)) & 1) != 0
+        else:  # one byte load per row of 8, shifted across the row
+            boffs = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+            byte = tl.load(bits_ptr + boffs, mask=boffs < (n + 7) // 8, other=0).to(tl.int32)
+            left = ((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1) != 0
         q = tl.where(left, QL(y), QR(y))
         q = tl.where(tl.abs(y) < float("inf"), q, float("nan"))  # y = +-inf or NaN: NaN, as torch
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -119,27 +126,51 @@ def _q(activation: str):
     return getattr(gen, "q_left", None), gen.q_right
 
 
-def _grid(n: int):
-    return (triton.cdiv(max(n, 1), BLOCK),)
+@dataclass(frozen=True)
+class Config:
+    """A launch configuration: `block` elements per program (a power of two >= 8, so each program owns
+    whole bytes of bits) over `num_warps` warps: block / (32 num_warps) elements per thread."""
+
+    block: int
+    num_warps: int
+
+    def __post_init__(self):
+        if self.block < 8 or self.block & (self.block - 1):
+            raise ValueError(f"block must be a power of two >= 8, got {self.block}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
 
 
-def forward(activation: str, threshold: float | None, x: torch.Tensor, y: torch.Tensor, precision_bit: bool):
+# Default launch configuration of each kernel. benchmarks/tune.py sweeps block x num_warps on the GPU
+# at hand and writes results/tune_<device>.json; the values here are what it chose (see that file).
+CONFIGS = {"forward": Config(block=BLOCK, num_warps=4), "backward": Config(block=BLOCK, num_warps=4)}
+
+
+def _launch(kernel, config: Config, n: int, *args, **constexprs):
+    grid = (triton.cdiv(max(n, 1), config.block),)
+    kernel[grid](*args, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
+
+
+def forward(activation: str, threshold: float | None, x: torch.Tensor, y: torch.Tensor, precision_bit: bool,
+            config: Config | None = None):  # fmt: skip
     """Flat x -> y (written in place) and the returned bits (empty in precision-bit mode and for a
-    monotone activation, whose threshold is None)."""
+    monotone activation, whose threshold is None). `config`: CONFIGS["forward"] unless given."""
     n, monotone = x.numel(), threshold is None
     bits = torch.empty(0 if precision_bit or monotone else (n + 7) // 8, dtype=torch.uint8, device=x.device)
     if n:
-        fn = FORWARD[activation]
-        _forward_kernel[_grid(n)](x, y, bits, n, T=0.0 if monotone else threshold, FN=fn,
-                                  PRECISION_BIT=precision_bit, MONOTONE=monotone, BLOCK=BLOCK)  # fmt: skip
+        _launch(_forward_kernel, config or CONFIGS["forward"], n, x, y, bits,
+                T=0.0 if monotone else threshold, FN=FORWARD[activation], PRECISION_BIT=precision_bit,
+                MONOTONE=monotone)  # fmt: skip
     return bits
 
 
-def backward(activation: str, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool):
+def backward(activation: str, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool,
+             config: Config | None = None):  # fmt: skip
+    """Flat (y, bits, dy) -> dx in dy's dtype. `config`: CONFIGS["backward"] unless given."""
     n = y.numel()
     dx = torch.empty_like(dy)
     if n:
         ql, qr = _q(activation)
-        _backward_kernel[_grid(n)](y, bits, dy, dx, n, QL=ql or qr, QR=qr, PRECISION_BIT=precision_bit,
-                                   MONOTONE=ql is None, BLOCK=BLOCK)  # fmt: skip
+        _launch(_backward_kernel, config or CONFIGS["backward"], n, y, bits, dy, dx, QL=ql or qr, QR=qr,
+                PRECISION_BIT=precision_bit, MONOTONE=ql is None)  # fmt: skip
     return dx

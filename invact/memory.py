@@ -1,8 +1,9 @@
 """What a training step keeps in memory: bytes autograd saves for backward, and CUDA peak memory.
 
-`saved_tensors(model, *inputs)` runs a forward pass under torch.autograd.graph.saved_tensors_hooks
-and counts every distinct storage autograd saves (a storage saved twice, e.g. by GELU and the next
-Linear, counts once), excluding the model's parameters and buffers. Tensors saved inside
+`saved_tensors(model, *inputs)` runs a forward pass under torch.autograd.graph.saved_tensors_hooks and
+counts every distinct storage autograd saves (a storage saved twice, e.g. by GELU and the next Linear,
+counts once), excluding the model's parameters and buffers; `count_saved(model)` does the same around
+any code (a training step of your own). Tensors saved inside
 torch.utils.checkpoint regions are invisible to these hooks.
 """
 
@@ -41,34 +42,50 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Context manager: counts every distinct storage autograd saves inside it, parameters and
+    buffers of `model` excluded. `report` (a MemoryReport) is filled in on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        self._storages: dict[int, tuple[int, str]] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.report = MemoryReport()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._excluded and t.untyped_storage().nbytes():
+            self._storages[ptr] = (t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."))
+        return t
+
+    def __enter__(self) -> count_saved:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        by_dtype: dict[str, int] = defaultdict(int)
+        for nbytes, dtype in self._storages.values():
+            by_dtype[dtype] += nbytes
+        self.report.saved_tensors = len(self._storages)
+        self.report.saved_bytes = sum(by_dtype.values())
+        self.report.by_dtype = dict(by_dtype)
+
+
 def saved_tensors(
     model: nn.Module, *inputs, loss: Callable[[object], torch.Tensor] | None = None, **kwargs
 ) -> MemoryReport:
     """Run model(*inputs, **kwargs) once and measure what autograd saves; then run backward (with
     `loss(output)`, default: sum of the first floating tensor of the output) to free the graph. On
     CUDA, also the peak allocated memory of that whole forward+backward step."""
-    excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    storages: dict[int, tuple[int, str]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in excluded and t.untyped_storage().nbytes():
-            storages[ptr] = (t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."))
-        return t
-
     cuda = any(p.is_cuda for p in model.parameters())
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with count_saved(model) as counter:
         output = model(*inputs, **kwargs)
     (loss or _default_loss)(output).backward()
-    report = MemoryReport(saved_tensors=len(storages))
-    by_dtype: dict[str, int] = defaultdict(int)
-    for nbytes, dtype in storages.values():
-        report.saved_bytes += nbytes
-        by_dtype[dtype] += nbytes
-    report.by_dtype = dict(by_dtype)
+    report = counter.report
     if cuda:
         torch.cuda.synchronize()
         report.peak_cuda_bytes = torch.cuda.max_memory_allocated()

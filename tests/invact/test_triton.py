@@ -96,5 +96,19 @@ def test_more_than_2_31_elements():
     x[-3:] = 1.0
     y = torch.empty_like(x)
     bits = _triton.forward("gelu", ACTIVATIONS["gelu"].threshold, x, y, precision_bit=False)
-    assert bits[-1].item() == 0b0000_0011 and bits[0].item() == 0xFF
+    assert bits.numel() == (n + 7) // 8
+    # Byte 2^28 holds elements 2^31 .. 2^31 + 7 (x = -2 six times, then 1 twice: bits 0-5), and the
+    # last byte element 2^31 + 8 alone (x = 1: no bit).
+    assert bits[0].item() == 0xFF and bits[-2].item() == 0b0011_1111 and bits[-1].item() == 0
     assert y[-1].item() == torch.nn.functional.gelu(torch.tensor(1.0)).bfloat16().item()
+    del x
+    dx = _triton.backward("gelu", y, bits, torch.ones_like(y), precision_bit=False)
+    # Past element 2^31 the bits must still be read at the right place: the first 8 elements and the
+    # last 8 (2^31 + 1 .. 2^31 + 8: five on the left branch, three on the right) get their branch's q,
+    # which the torch backend computes from the same y and bits.
+    ends = torch.cat([y[:8], y[-8:]]).cpu()
+    want = torch_backward(ACTIVATIONS["gelu"], ends, torch.tensor([0xFF, 0b0001_1111], dtype=torch.uint8),
+                          torch.ones(16, dtype=torch.bfloat16), False)  # fmt: skip
+    # Both compute q in fp32 and round once to bf16: equal to one bf16 ulp (2^-8 relative); the other
+    # branch's q would be O(1) away.
+    assert torch.allclose(torch.cat([dx[:8], dx[-8:]]).cpu(), want, rtol=2**-8, atol=0)

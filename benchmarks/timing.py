@@ -1,0 +1,78 @@
+"""What the benchmark scripts share: timing calls on CPU or CUDA, and naming the device."""
+
+from __future__ import annotations
+
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+# Datasheet memory bandwidth, GB/s, by a substring of torch.cuda.get_device_name() (NVIDIA's H100,
+# H200 and A100 datasheets).
+PEAK_GBPS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "A100-SXM4-80GB": 2039.0}
+
+
+def timer(device: str) -> Callable[[Callable[[], None]], Callable[[], float]]:
+    """timer(fn) runs fn once and returns a function that gives its milliseconds once called.
+
+    CUDA: events recorded around the call with no synchronization between calls (as
+    triton.testing.do_bench times), so the host queues work ahead as it does in training and its own
+    per-call latency shows only where it, not the GPU, is the bottleneck; median_ms synchronizes
+    before reading them. CPU: perf_counter around the call."""
+    if device == "cuda":
+
+        def run(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            return lambda: start.elapsed_time(end)
+
+        return run
+
+    def run(fn):
+        t0 = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        return lambda: ms
+
+    return run
+
+
+def median_ms(timings: list[Callable[[], float]]) -> float:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return statistics.median(t() for t in timings)
+
+
+def device_name(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3', or the CPU's model and torch's thread count."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu: {cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_slug(device: str) -> str:
+    """A file-name part for the device: 'h100-80gb-hbm3' for CUDA, 'cpu' for CPU."""
+    if device != "cuda":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower().removeprefix("nvidia ")).strip("-")
+
+
+def peak_gbps() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_GBPS.items() if k in name), None)

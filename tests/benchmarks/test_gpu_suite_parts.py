@@ -1,0 +1,66 @@
+"""The CPU-side smoke runs of the GPU suite's scripts (benchmarks/tune.py, benchmarks/train_memory.py),
+so they never rot between the sessions that have a GPU, and the suite's refusal without one."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_tune_small_cpu_run(tmp_path):
+    out = tmp_path / "tune.json"
+    proc = _run(ROOT / "benchmarks" / "tune.py", "--device", "cpu", "--small", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    for dtype in ("float32", "bfloat16"):
+        entry = data["dtypes"][dtype]
+        assert [(c["block"], c["num_warps"]) for c in entry["configs"]] == [(1024, 4), (2048, 4)]
+        for kernel in ("forward", "backward"):
+            assert entry["best"][kernel]["gbps"] == max(c[f"{kernel}_gbps"] for c in entry["configs"])
+            assert entry["default"][kernel]["gbps"] > 0
+    assert "| forward | float32 |" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cpu"], "--device cpu needs --small"),
+        (["--device", "cpu", "--small", "--blocks", "12"], "block must be a power of two >= 8, got 12"),
+        (["--device", "cpu", "--small", "--warps", "3"], "num_warps must be a power of two, got 3"),
+        (["--device", "cpu", "--small", "--repeats", "0"], "must be positive"),
+    ],
+)
+def test_tune_bad_arguments(args, message):
+    proc = _run(ROOT / "benchmarks" / "tune.py", *args, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_train_memory_small_cpu_run(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "train.json"
+    proc = _run(ROOT / "benchmarks" / "train_memory.py", "--device", "cpu", "--small", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"].split()[0] for r in rows] == ["BERT-base", "GPT-2", "Llama-shaped"]
+    for r in rows:
+        assert r["replaced"] > 0 and r["saved_drop"] > 0  # patching saved memory, in every model
+        assert r["invact"]["peak_bytes"] is None  # peak memory is CUDA's alone
+    assert "| GPT-2 |" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
+def test_gpu_suite_refuses_without_cuda():
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable}
+    script = ROOT / "benchmarks" / "gpu_suite.sh"
+    proc = subprocess.run(["bash", str(script), "tune"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr
