@@ -9,6 +9,8 @@ from invact import functional
 
 
 class _InvAct(nn.Module):
+    activation: str  # the registry name (invact.activations.ACTIVATIONS) of the function it computes
+
     def __init__(self, mode: str = "bits") -> None:
         super().__init__()
         if mode not in ("bits", "precision_bit"):
@@ -28,6 +30,10 @@ class InvActGELU(_InvAct):
             raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
         self.approximate = approximate
 
+    @property
+    def activation(self) -> str:
+        return "gelu" if self.approximate == "none" else "gelu_tanh"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.gelu(x, self.approximate, self.mode)
 
@@ -38,6 +44,8 @@ class InvActGELU(_InvAct):
 class InvActSiLU(_InvAct):
     """nn.SiLU that saves its output and one bit instead of its input. `inplace` is accepted for
     drop-in compatibility and ignored: InvAct never keeps the input, so it saves the memory anyway."""
+
+    activation = "silu"
 
     def __init__(self, inplace: bool = False, mode: str = "bits") -> None:
         super().__init__(mode)
@@ -50,6 +58,8 @@ class InvActSiLU(_InvAct):
 class InvActQuickGELU(_InvAct):
     """x * sigmoid(1.702 x) (CLIP's quick_gelu) that saves its output and one bit."""
 
+    activation = "quick_gelu"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.quick_gelu(x, self.mode)
 
@@ -57,6 +67,8 @@ class InvActQuickGELU(_InvAct):
 class InvActMish(_InvAct):
     """nn.Mish that saves its output and one bit instead of its input (`inplace` accepted and
     ignored, as for InvActSiLU)."""
+
+    activation = "mish"
 
     def __init__(self, inplace: bool = False, mode: str = "bits") -> None:
         super().__init__(mode)
@@ -69,6 +81,8 @@ class InvActMish(_InvAct):
 class InvActSoftplus(_InvAct):
     """nn.Softplus that saves only its output: softplus is monotone, so no bit is stored. beta and
     threshold must be torch's defaults, 1 and 20 (ValueError otherwise: softplus_unsupported says why)."""
+
+    activation = "softplus"
 
     def __init__(self, beta: float = 1.0, threshold: float = 20.0, mode: str = "bits") -> None:
         super().__init__(mode)

@@ -8,14 +8,18 @@ replaced are logged on the "invact" logger with the reason, and listed by `plan(
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
+from invact.activations import ACTIVATIONS
 from invact.functional import softplus_unsupported
 from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU, InvActSoftplus, _InvAct
 
@@ -87,69 +91,321 @@ _ACTIVATION_LIKE = re.compile(
 )
 
 
+# Ends every reason a static rule gives for leaving an activation alone (see _static_risk).
+RISK_HINT = "; pass example_inputs= to measure it"
+
+# Activations stored as plain function attributes of a module (nn.TransformerEncoderLayer(activation=
+# "gelu") keeps F.gelu in self.activation): the function -> the InvAct module that computes it.
+FUNCTIONS: dict[Callable, Factory] = {
+    F.gelu: lambda f, mode: InvActGELU("none", mode=mode),
+    F.silu: _SILU,
+    F.mish: _MISH,
+}
+_FUNCTION_NAMES = {F.gelu: "torch.nn.functional.gelu", F.silu: "torch.nn.functional.silu",
+                   F.mish: "torch.nn.functional.mish"}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Decision:
-    name: str  # qualified module name in the model
-    cls: str  # qualified class name
+    """One activation and what patch() does with it. `saved_bytes` is measured when plan()/patch() get
+    example inputs: how many fewer bytes one training forward saves for backward with this activation
+    replaced (negative: more), None without example inputs."""
+
+    name: str  # qualified module name in the model (a function attribute: "<module>.<attribute>")
+    cls: str  # qualified class name (a function attribute: the function's)
     replace: bool
     reason: str
+    saved_bytes: int | None = None
 
 
 def _qualname(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
-def _selected(name: str, include: Iterable[str] | None, exclude: Iterable[str] | None) -> bool:
+def _patterns(value, what: str) -> tuple[str, ...] | None:
+    """include/exclude as a tuple of glob patterns: one string is one pattern (not its characters)."""
+    if value is None:
+        return None
+    patterns = (value,) if isinstance(value, str) else tuple(value)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"{what} takes glob patterns (str or an iterable of str), got {bad[0]!r}")
+    return patterns
+
+
+def _selected(name: str, include: tuple[str, ...] | None, exclude: tuple[str, ...] | None) -> bool:
     if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
         return False
     return not (exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in exclude))
 
 
-def plan(model: nn.Module, *, include=None, exclude=None) -> list[Decision]:
-    """What patch() would do: one Decision per activation-like module (replaced or skipped, and why).
-    `include`/`exclude` are glob patterns on module names, e.g. "encoder.layer.*.intermediate.*"."""
-    decisions = []
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+def _static_risk(model: nn.Module, name: str, function_attribute: bool) -> str | None:
+    """Without example inputs: the known patterns where the activation's output is not what the next
+    layer saves (so InvAct would add memory), or where an in-place op overwrites it (so backward would
+    fail). None if none applies."""
+    parent, attr = _parent(model, name)
+    children = list(parent.named_children())
+    names = [n for n, _ in children]
+    hint = RISK_HINT
+    if function_attribute:  # called from forward code we cannot see: any dropout beside it may follow it
+        drops = [n for n, m in children if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+        if drops:
+            return f"its module also holds Dropout(p > 0) ({', '.join(drops)}), which may follow it{hint}"
+    elif attr in names and names.index(attr) + 1 < len(names):
+        after_name, after = children[names.index(attr) + 1]
+        if getattr(after, "inplace", False) is True and not isinstance(after, _InvAct):
+            return (f"the next module, {after_name} ({type(after).__name__}), works in place: it would "
+                    "overwrite the output InvAct saves for backward")  # fmt: skip
+        if isinstance(after, nn.modules.dropout._DropoutNd) and after.p > 0:
+            return (f"the next module, {after_name}, is Dropout(p={after.p}): the next layer saves the "
+                    f"dropped-out tensor, not this output, so InvAct would add memory{hint}")  # fmt: skip
+    # transformers' encoder-decoder layers (BART, Whisper, ...) apply F.dropout(p=self.activation_dropout)
+    # to the activation's output in forward code; wav2vec2-style feed-forwards hold it as a module.
+    p = getattr(parent, "activation_dropout", 0.0)
+    if isinstance(p, (int, float)) and p > 0:
+        return (f"its module applies dropout (activation_dropout={p}) to this output, so the next layer "
+                f"saves another tensor and InvAct would add memory{hint}")  # fmt: skip
+    drops = [n for n, m in children if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+             and ("act" in n.lower() or "intermediate" in n.lower())]  # fmt: skip
+    if drops:
+        return (f"its module holds {drops[0]}, a Dropout(p > 0) on the activation's output by its name, "
+                f"so the next layer saves another tensor and InvAct would add memory{hint}")  # fmt: skip
+    return None
+
+
+def _is_activation_like(module: nn.Module) -> bool:
+    return not any(True for _ in module.children()) and bool(_ACTIVATION_LIKE.search(type(module).__name__))
+
+
+def _candidates(model: nn.Module):
+    """(name, class name, the object, a factory or None, is a function attribute) for every
+    activation-like module and every activation function stored as a module attribute."""
     for name, module in model.named_modules(remove_duplicate=False):
         cls = _qualname(module)
-        if isinstance(module, _InvAct):  # already patched
+        yield name, cls, module, REPLACEABLE.get(cls), False
+        if cls in REPLACEABLE or cls in SKIPPED or isinstance(module, _InvAct) or _is_activation_like(module):
+            continue  # an activation module's own function (transformers' GELUActivation keeps F.gelu)
+        for attr, value in vars(module).items():
+            if callable(value) and any(value is f for f in FUNCTIONS):
+                full = f"{name}.{attr}" if name else attr
+                yield full, _FUNCTION_NAMES[value], value, FUNCTIONS[value], True
+
+
+def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", example_inputs=None):
+    """What patch() would do: one Decision per activation-like module or activation function attribute
+    (replaced or left alone, and why). Changes nothing.
+
+    `include`/`exclude`: glob patterns on module names (a string or several), e.g.
+    "encoder.layer.*.intermediate.*"; a pattern that matches no activation is a ValueError.
+    `example_inputs`: a tensor, a tuple of positional arguments or a dict of keyword arguments for
+    one training-mode forward of the model (RNG state and train/eval modes are restored). With them
+    each activation is replaced only where that saves memory, measured: its output must be what a
+    later op saves (not so after dropout or a reduction) and nothing may modify it in place. Without
+    them, known risky patterns are left alone: Dropout(p > 0) or an in-place module right after it, a
+    module that applies `activation_dropout` to it (transformers' BART, Whisper, wav2vec2 layers), and
+    for an activation function attribute any Dropout(p > 0) in its module."""
+    if mode not in ("bits", "precision_bit"):
+        raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
+    include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
+    found, decisions = [], []
+    for name, cls, obj, factory, function_attribute in _candidates(model):
+        if isinstance(obj, _InvAct):
+            found.append(name)
+            if obj.mode != mode and _selected(name, include, exclude):
+                decisions.append(Decision(name, cls, True, f"already InvAct: mode {obj.mode!r} -> {mode!r}"))
             continue
-        unsupported = CONDITIONS[cls](module) if cls in CONDITIONS else None
-        if cls in REPLACEABLE and unsupported:
-            decisions.append(Decision(name, cls, False, unsupported))
-        elif cls in REPLACEABLE:
-            if _selected(name, include, exclude):
-                decisions.append(Decision(name, cls, True, "reproduced exactly"))
-            else:
+        unsupported = CONDITIONS[cls](obj) if cls in CONDITIONS else None
+        if factory is not None:
+            if unsupported:
+                decisions.append(Decision(name, cls, False, unsupported))
+            elif not _selected(name, include, exclude):
                 decisions.append(Decision(name, cls, False, "excluded by include/exclude"))
+            else:
+                risk = None if example_inputs is not None else _static_risk(model, name, function_attribute)
+                decisions.append(Decision(name, cls, risk is None, risk or "reproduced exactly"))
         elif cls in SKIPPED:
             decisions.append(Decision(name, cls, False, SKIPPED[cls]))
-        elif not any(True for _ in module.children()) and _ACTIVATION_LIKE.search(type(module).__name__):
+        elif _is_activation_like(obj):
             decisions.append(Decision(name, cls, False, "not a function InvAct reproduces"))
+    found += [d.name for d in decisions]  # skipped activations (a ReLU) are activations too
+    for what, patterns in (("include", include), ("exclude", exclude)):
+        for p in patterns or ():
+            if not any(fnmatch.fnmatchcase(n, p) for n in found):
+                example = f" (they look like {found[0]!r})" if found else " (the model has none)"
+                raise ValueError(f"{what} pattern {p!r} matches no activation's name{example}")
+    if example_inputs is not None:
+        decisions = _measured(model, decisions, example_inputs, mode)
     return decisions
 
 
-def patch(model: nn.Module, *, include=None, exclude=None, mode: str = "bits") -> list[str]:
-    """Replace, in place, every activation module that InvAct reproduces exactly; return their names.
+def patch(
+    model: nn.Module, *, include=None, exclude=None, mode: str = "bits", example_inputs=None
+) -> list[str]:
+    """Replace, in place, every activation that InvAct reproduces exactly and that saves memory; return
+    their names. Arguments as for plan(); with `example_inputs` the saving is measured per activation
+    and nothing that would add memory is replaced.
 
     Works on any device and dtype (InvAct modules hold no parameters) and inside wrappers such as
-    PEFT's. A module instance shared by several parents is replaced by one shared InvAct module.
-    Skipped activation-like modules are logged on the "invact" logger (INFO) with the reason."""
-    if mode not in ("bits", "precision_bit"):
-        raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
+    PEFT's. A module instance shared by several parents is replaced by one shared InvAct module. An
+    already patched module whose mode differs from `mode` is switched to it. Activations left alone
+    are logged on the "invact" logger (INFO) with the reason. A model loaded again (from_pretrained,
+    a fresh instance) holds torch's activations: patch it again."""
+    decisions = plan(model, include=include, exclude=exclude, mode=mode, example_inputs=example_inputs)
     replaced, swapped = [], {}
-    for d in plan(model, include=include, exclude=exclude):
+    factories = {name: factory for name, _, _, factory, _ in _candidates(model)}
+    for d in decisions:
         if not d.replace:
             log.info("invact.patch: left %s (%s) alone: %s", d.name, d.cls, d.reason)
             continue
-        parent_name, _, attr = d.name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, attr) if attr else model
-        if not attr:
+        if not d.name:
             raise ValueError("the model itself is an activation: wrap it or use invact's modules directly")
-        new = swapped.get(id(old))
-        if new is None:
-            new = swapped[id(old)] = REPLACEABLE[d.cls](old, mode)
-            new.train(old.training)
-        setattr(parent, attr, new)
+        parent, attr = _parent(model, d.name)
+        old = getattr(parent, attr)
+        if isinstance(old, _InvAct):
+            old.mode = mode
+        else:
+            new = swapped.get(id(old)) if isinstance(old, nn.Module) else None  # a shared module stays shared
+            if new is None:
+                new = swapped[id(old)] = factories[d.name](old, mode)
+                new.train(old.training if isinstance(old, nn.Module) else parent.training)
+            setattr(parent, attr, new)
         replaced.append(d.name)
     return replaced
+
+
+def _as_call(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), example_inputs
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    return (example_inputs,), {}
+
+
+@dataclass
+class _Call:
+    key: str  # the name of the first decision that watches the object called
+    output: object
+    version: int
+    index: int
+
+
+def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode: str) -> list[Decision]:
+    """The decisions to replace, re-decided by one training-mode forward under saved-tensor hooks.
+
+    Per call of an activation: `freed` = bytes of the storages that only this call saved (torch's
+    activation saving its input, or a Python composition's intermediates); `cost` = the bits InvAct
+    would add, plus its output's bytes unless another op saves that storage anyway. Summed over the
+    calls of one module (a shared module is decided once)."""
+    todo = {d.name: d for d in decisions if d.replace and not d.reason.startswith("already InvAct")}
+    if not todo:
+        return decisions
+    objects = {name: obj for name, _, obj, _, _ in _candidates(model) if name in todo}
+    factories = {name: factory for name, _, _, factory, _ in _candidates(model) if name in todo}
+    key_of: dict[int, str] = {}  # id(object) -> first name; function attributes are keyed by name
+    for name, obj in objects.items():
+        key_of.setdefault(id(obj) if isinstance(obj, nn.Module) else id(name), name)
+    calls: list[_Call] = []
+    stack: list[int] = []
+    sizes: dict[int, int] = {}
+    savers: dict[int, set[int]] = {}
+    excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded and storage.nbytes():
+            sizes[ptr] = storage.nbytes()
+            savers.setdefault(ptr, set()).add(stack[-1] if stack else -1)
+        return t
+
+    def enter(key: str) -> None:
+        calls.append(_Call(key, None, 0, len(calls)))
+        stack.append(len(calls) - 1)
+
+    def leave(output) -> None:
+        call = calls[stack.pop()]
+        call.output = output
+        call.version = output._version if isinstance(output, torch.Tensor) else 0
+
+    hooks, restore = [], []
+    for name, obj in objects.items():
+        if isinstance(obj, nn.Module):
+            if key_of[id(obj)] == name:
+                hooks.append(obj.register_forward_pre_hook(lambda m, a, key=name: enter(key)))
+                hooks.append(obj.register_forward_hook(lambda m, a, out: leave(out)))
+        else:  # a function attribute: a spy that records its calls, removed afterwards
+            parent, attr = _parent(model, name)
+
+            def spy(*args, _f=obj, _key=name, **kwargs):
+                enter(_key)
+                out = _f(*args, **kwargs)
+                leave(out)
+                return out
+
+            restore.append((parent, attr, obj))
+            setattr(parent, attr, spy)
+    modes = {m: m.training for m in model.modules()}
+    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
+    args, kwargs = _as_call(example_inputs)
+    try:
+        model.train()
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(*args, **kwargs)
+            del out
+    finally:
+        for h in hooks:
+            h.remove()
+        for parent, attr, obj in restore:
+            setattr(parent, attr, obj)
+        for m, training in modes.items():
+            m.train(training)
+    if not savers:
+        raise ValueError("the example forward saved nothing for backward (does any input or parameter "
+                         "require grad?): no saving can be measured")  # fmt: skip
+    net: dict[str, int] = {}
+    called: set[str] = set()
+    modified: dict[str, str] = {}
+    for call in calls:
+        y = call.output
+        called.add(call.key)
+        if not isinstance(y, torch.Tensor) or not y.requires_grad:
+            continue  # no graph through it: neither torch nor InvAct saves anything
+        if y._version != call.version:
+            modified[call.key] = "an in-place op modifies its output later in the forward"
+        freed = sum(sizes[p] for p, who in savers.items() if who == {call.index})
+        ptr = y.untyped_storage().data_ptr()
+        kept = 0 if savers.get(ptr, set()) - {call.index} else y.untyped_storage().nbytes()
+        act = ACTIVATIONS[factories[call.key](objects[call.key], mode).activation]
+        no_bits = act.monotone or (mode == "precision_bit" and y.dtype != torch.float64)
+        net[call.key] = net.get(call.key, 0) + freed - kept - (0 if no_bits else (y.numel() + 7) // 8)
+    out_decisions = []
+    for d in decisions:
+        if d.name not in todo:
+            out_decisions.append(d)
+            continue
+        obj = objects[d.name]
+        key = key_of[id(obj) if isinstance(obj, nn.Module) else id(d.name)]
+        saved = net.get(key)
+        if key not in called:
+            d = dataclasses.replace(
+                d, replace=False, reason="not called by the example forward: nothing measured"
+            )
+        elif key in modified:
+            d = dataclasses.replace(d, replace=False, saved_bytes=saved,
+                        reason=f"{modified[key]}: InvAct saves it, so backward would fail")  # fmt: skip
+        elif not saved or saved <= 0:
+            d = dataclasses.replace(d, replace=False, saved_bytes=saved or 0,
+                        reason=f"measured: replacing it would add {-(saved or 0)} bytes (its output is not "
+                               "what a later op saves, e.g. after dropout or a reduction)")  # fmt: skip
+        else:
+            d = dataclasses.replace(
+                d, saved_bytes=saved, reason=f"measured: saves {saved} bytes in the example forward"
+            )
+        out_decisions.append(d)
+    return out_decisions

@@ -155,9 +155,9 @@ def test_include_exclude_shared_and_idempotent(caplog):
         "left 5 (torch.nn.modules.activation.ReLU) alone: ReLU's backward needs only its output"
         in caplog.text
     )
-    assert invact.patch(model, include=["1", "3"]) == []  # already patched
-    assert invact.patch(model, mode="precision_bit") == ["4"]
-    assert model[4].mode == "precision_bit"
+    assert invact.patch(model, include=["1", "3"]) == []  # already patched, in this mode
+    assert invact.patch(model, mode="precision_bit") == ["1", "3", "4"]  # 1 and 3 switch mode
+    assert model[1].mode == model[4].mode == "precision_bit" and model[1] is model[3]
     with pytest.raises(ValueError, match="mode must be"):
         invact.patch(model, mode="sign_bit")
 

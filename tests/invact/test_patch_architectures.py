@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 import invact
-from invact.patch import SKIPPED
+from invact.patch import RISK_HINT, SKIPPED
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,7 +88,9 @@ def test_every_activation_is_replaced_or_deliberately_skipped(model_type):
         warnings.simplefilter("ignore")
         model = transformers.AutoModel.from_config(config)
     decisions = invact.plan(model)
-    undeliberate = [d for d in decisions if not d.replace and d.reason not in SKIPPED.values()]
+    # Left alone: a skipped class, or a static rule's risk (dropout on the output: wav2vec2, BART)
+    undeliberate = [d for d in decisions if not d.replace and d.reason not in SKIPPED.values()
+                    and not d.reason.endswith(RISK_HINT)]  # fmt: skip
     assert not undeliberate, f"{model_type}: not replaced: {[(d.name, d.cls) for d in undeliberate]}"
     replaced = invact.patch(model)
     assert (len(replaced) == 0) == (model_type in RELU_MODELS), model_type
