@@ -39,7 +39,7 @@ def _invert_monotone(act: Activation, y: torch.Tensor) -> torch.Tensor:
 
 def _newton(act, y, lo, hi, log_residual: torch.Tensor, sign: float) -> torch.Tensor:
     """Root of g(x) = f(x) - y in [lo, hi], or g = log(sign f) - log(sign y) where `log_residual`."""
-    x = 0.5 * (lo + hi)
+    x = lo + 0.5 * (hi - lo)  # not (lo + hi) / 2: that overflows for y near the float64 maximum
     log_y = torch.log(torch.clamp_min(sign * y, 1e-320))
     for _ in range(_MAX_ITER):
         fx, dfx = act.f(x), act.df(x)
@@ -48,7 +48,8 @@ def _newton(act, y, lo, hi, log_residual: torch.Tensor, sign: float) -> torch.Te
         lo = torch.where(g < 0, x, lo)
         hi = torch.where(g > 0, x, hi)
         step = x - g / dg
-        step = torch.where((step > lo) & (step < hi), step, 0.5 * (lo + hi))
+        # The bracket is closed: for y past 2^53 on the right branch the root is y itself = hi.
+        step = torch.where((step >= lo) & (step <= hi), step, lo + 0.5 * (hi - lo))
         done = (step - x).abs() <= 4e-16 * x.abs()
         x = torch.where(g == 0, x, step)
         if bool(done.all()):
@@ -57,6 +58,10 @@ def _newton(act, y, lo, hi, log_residual: torch.Tensor, sign: float) -> torch.Te
 
 
 def derivative_from_output(act: Activation, y: torch.Tensor, left: torch.Tensor | None) -> torch.Tensor:
-    """f'(f^-1(y)) in float64, 0 where x = -inf."""
-    x = invert(act, y.double(), left)
-    return torch.where(torch.isneginf(x), torch.zeros_like(x), act.df(x))
+    """f'(f^-1(y)) in float64, 0 where x = -inf. NaN where torch's own backward gives NaN from what y
+    tells: y NaN (x NaN, or x = -inf, where f is -inf * 0), and for two branches y = +-inf as well
+    (the fp32 kernels' rule); a monotone f's y = +-inf is x = +-inf, whose f' it returns."""
+    y = y.double()
+    x = invert(act, y, left)
+    df = torch.where(torch.isneginf(x), torch.zeros_like(x), act.df(x))
+    return torch.where(torch.isnan(y) if act.monotone else ~torch.isfinite(y), torch.nan, df)

@@ -1,7 +1,5 @@
 """Drop-in nn.Modules: InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish, InvActSoftplus."""
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 
@@ -34,6 +32,7 @@ class InvActGELU(_InvAct):
     def activation(self) -> str:
         return "gelu" if self.approximate == "none" else "gelu_tanh"
 
+    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.gelu(x, self.approximate, self.mode)
 
@@ -51,6 +50,7 @@ class InvActSiLU(_InvAct):
         super().__init__(mode)
         self.inplace = inplace
 
+    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.silu(x, self.mode)
 
@@ -60,6 +60,7 @@ class InvActQuickGELU(_InvAct):
 
     activation = "quick_gelu"
 
+    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.quick_gelu(x, self.mode)
 
@@ -74,6 +75,7 @@ class InvActMish(_InvAct):
         super().__init__(mode)
         self.inplace = inplace
 
+    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.mish(x, self.mode)
 
@@ -91,6 +93,7 @@ class InvActSoftplus(_InvAct):
             raise ValueError(reason)
         self.beta, self.threshold = beta, threshold
 
+    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional.softplus(x, self.beta, self.threshold, self.mode)
 

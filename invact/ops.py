@@ -188,21 +188,57 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 class _Eager(torch.autograd.Function):
     """The same forward, saved state and backward as the custom op, without the op's dispatch: in
     eager mode that costs a host-side latency before the first kernel is queued (measured on a 2-core
-    AMD EPYC: 60 us for invact::forward against 29 us for its body). torch.compile traces the op."""
+    AMD EPYC: 60 us for invact::forward against 29 us for its body). torch.compile traces the op.
+    Written in the torch.func style (setup_context, a vmap rule), so torch.func.grad, vjp, jacrev and
+    vmap work; under them a second derivative is the derivative of q (f'' to the family's accuracy
+    away from the cusp), while eager double backward raises."""
 
     @staticmethod
-    def forward(ctx, x, activation, precision_bit):
-        y, bits = _forward_impl(x, activation, precision_bit)
-        _save(ctx, y, bits, activation, precision_bit)
-        return y
+    def forward(x, activation, precision_bit):
+        return _forward_impl(x, activation, precision_bit)
 
     @staticmethod
-    def backward(ctx, dy):
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dy, _dbits):
         y, bits = _saved(ctx)
         # create_graph=True: through the op, whose missing autograd formula then raises a clear error
         # if anyone differentiates again (q approximates f'; nothing approximates f'').
+        if torch._C._functorch.maybe_current_level() is not None:  # inside torch.func.grad/vjp/vmap
+            # Its tensors are wrappers without storage, which neither the op nor the kernels take: the
+            # portable backward, in torch ops, runs on them.
+            act = ACTIVATIONS[ctx.activation]
+            dx = torch_backward(act, _flat(y), bits, _flat(_like(dy, y)), ctx.precision_bit)
+            return _shaped_like(dx, y), None, None
         backward = torch.ops.invact.backward if torch.is_grad_enabled() else _backward_impl
         return backward(dy, y, bits, ctx.activation, ctx.precision_bit), None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "invact: forward-mode AD (torch.func.jvp, jacfwd, hessian) is not supported; reverse mode "
+            "(grad, vjp, jacrev, vmap of those) is. Use torch's activation where you need forward mode."
+        )
+
+    @staticmethod
+    def vmap(info, in_dims, x, activation, precision_bit):
+        # Pointwise: the batch is one bigger tensor. The bits it saved for itself are packed across
+        # samples, so each sample's backward gets its own bytes: the same bits, packed per row.
+        x = x.movedim(in_dims[0], 0).contiguous()  # each sample's elements in one row, in order
+        y, bits = _Eager.apply(x, activation, precision_bit)
+        if not bits.numel():
+            return (y, bits), (0, None)
+        left = _is_left(x.reshape(x.shape[0], -1), ACTIVATIONS[activation].threshold)
+        left = torch.cat([left, left.new_zeros(left.shape[0], (-left.shape[1]) % 8)], dim=1)
+        return (y, _bits.pack(left.reshape(-1)).view(x.shape[0], -1)), (0, 0)
+
+
+def _functorch_wrapped(x: torch.Tensor) -> bool:
+    """x is a torch.func transform's tensor (vmap's batched or grad's tracking tensor): its own
+    requires_grad says nothing about whether an outer transform differentiates through it."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
 def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor:
@@ -214,8 +250,10 @@ def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor
         return act.torch_forward(x)  # raises torch's own error for integer input
     if mode == "precision_bit" and not (_bits.supports_precision_bit(x.dtype) or x.dtype in _EXACT_DTYPES):
         raise TypeError(f"precision_bit mode supports float32, float16 and bfloat16, not {x.dtype}")
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if not (torch.is_grad_enabled() and (x.requires_grad or _functorch_wrapped(x))):
         return act.torch_forward(x)  # nothing to save: torch's op as is
     if torch.compiler.is_compiling():
         return torch.ops.invact.forward(x, activation, mode == "precision_bit")[0]
-    return _Eager.apply(x, activation, mode == "precision_bit")
+    if _functorch_wrapped(x):  # storage order is logical order: the transforms' tensors flatten plainly
+        x = x.contiguous()
+    return _Eager.apply(x, activation, mode == "precision_bit")[0]
