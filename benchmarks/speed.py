@@ -1,6 +1,6 @@
 """Forward+backward time of InvAct against torch, side by side in one process: the paper's setups.
 
-Setups (FACTS.md's time table): the bare activation (gelu, gelu_tanh, silu, quick_gelu, and softplus,
+Setups (the paper's time table, A100): the bare activation (gelu, gelu_tanh, silu, quick_gelu, and softplus,
 which is monotone and stores no bit), Linear+GELU, an MLP block, GeGLU, BERT-base and a
 Llama-3.1-8B-shaped decoder (SiLU), each as torch eager, InvAct bits, InvAct precision-bit and (with
 --compile) torch.compile of the torch model. Runs are interleaved (torch, bits, precision-bit,

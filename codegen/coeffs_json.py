@@ -17,7 +17,6 @@ import math
 import os
 import re
 import tempfile
-import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +24,14 @@ from typing import Any
 
 import sympy
 
+from codegen.safe_expr import ALLOWED_FUNCTIONS as ALLOWED_FUNCTIONS  # re-exported: the contract names them
+from codegen.safe_expr import ExpressionError, parse, real_symbols
+
 SCHEMA = "invact-coeffs/1"
 BRANCH_NAMES = ("left", "right")
 MONOTONE_BRANCH_NAMES = ("right",)  # a monotone activation: one branch, threshold null
 ERROR_KEYS = ("l2", "linf", "linf_bf16", "linf_fp16", "linf_fp32")
 FLOOR_KEYS = ("bf16", "fp16", "fp32")
-ALLOWED_FUNCTIONS = frozenset({"sqrt", "exp", "log", "Abs", "Max", "Min", "Piecewise"})
 _COEFF_NAME = re.compile(r"c(0|[1-9][0-9]*)")
 Y = sympy.Symbol("y", real=True)
 
@@ -43,7 +44,7 @@ class CoeffsError(ValueError):
 class BranchCoeffs:
     expression: str  # sympy string in y and the coefficient names
     coefficients: dict[str, float]
-    errors: dict[str, float]  # ERROR_KEYS, see DESIGN.md "Error metrics"
+    errors: dict[str, float]  # ERROR_KEYS, see README "Error metrics"
     storage_floor: dict[str, float]  # FLOOR_KEYS: the error no approximation beats in that dtype
     flops: int
 
@@ -91,19 +92,12 @@ class CoeffFile:
 
 
 def parse_expression(text: str, coefficient_names: list[str], where: str) -> sympy.Expr:
-    """Parse a branch expression; only y, the named coefficients and ALLOWED_FUNCTIONS may appear."""
-    symbols = {name: sympy.Symbol(name, real=True) for name in [*coefficient_names, "y"]}
+    """Parse a branch expression with the safe reader (codegen.safe_expr, never eval): only numbers,
+    y, the named coefficients, arithmetic and ALLOWED_FUNCTIONS may appear."""
     try:
-        expr = sympy.parse_expr(text, local_dict=symbols, evaluate=True)
-    except (SyntaxError, TypeError, ValueError, sympy.SympifyError, tokenize.TokenError) as e:
-        raise CoeffsError(f"{where}: cannot parse expression {text!r}: {e}") from None
-    unknown = {s.name for s in expr.free_symbols} - set(symbols)
-    if unknown:
-        raise CoeffsError(f"{where}: unknown symbols {sorted(unknown)} in expression")
-    functions = {type(f).__name__ for f in expr.atoms(sympy.Function)}
-    if functions - ALLOWED_FUNCTIONS:
-        raise CoeffsError(f"{where}: functions {sorted(functions - ALLOWED_FUNCTIONS)} are not allowed")
-    return expr
+        return parse(text, real_symbols([*coefficient_names, "y"]), where)
+    except ExpressionError as e:
+        raise CoeffsError(str(e)) from None
 
 
 def _field(doc: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -180,12 +174,19 @@ def load(path: str | os.PathLike) -> CoeffFile:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CoeffsError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CoeffsError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    return loads(text, path)
+
+
+def loads(text: str, path: str | os.PathLike) -> CoeffFile:
+    """Validate the text of a coefficient file; `path` names it in errors (see load)."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise CoeffsError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:  # json nests past Python's recursion limit
+        raise CoeffsError(f"{path}: not valid JSON (nested too deeply)") from None
     try:
         return from_dict(doc)
     except CoeffsError as e:
@@ -216,8 +217,13 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def save(coeffs: CoeffFile, path: str | os.PathLike) -> None:
-    """Validate (round trip through from_dict) and write atomically."""
+def dumps(coeffs: CoeffFile) -> str:
+    """The file's text, validated by a round trip through from_dict (raises CoeffsError)."""
     text = coeffs.to_json()
     from_dict(json.loads(text))
-    write_atomic(path, text)
+    return text
+
+
+def save(coeffs: CoeffFile, path: str | os.PathLike) -> None:
+    """Validate (round trip through from_dict) and write atomically."""
+    write_atomic(path, dumps(coeffs))

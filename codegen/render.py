@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import sympy
 
-from codegen.coeffs_json import CoeffFile, load
+from codegen.coeffs_json import CoeffFile, loads
 from codegen.printers import ScalarPrinter, TorchPrinter, TritonPrinter, function_body
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ import torch
 ACTIVATION = {c.activation!r}
 FAMILY = {c.family!r}
 {split}
-# Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {json.dumps(errors, sort_keys=True)}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
@@ -153,23 +154,41 @@ FAMILIES = {{
 '''
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = None) -> dict[str, str]:
+    """File name (relative to invact/_generated) -> content, for every activation in defaults.json.
 
+    `replaced` maps a coefficient file to the text it is about to be written with: invact-fit renders
+    with its new file before it writes anything, so a failure leaves coeffs/ and _generated/ in step."""
+    replaced = {Path(p).resolve(): text.encode("utf-8") for p, text in (replaced or {}).items()}
 
-def render_all(coeffs_dir: Path = COEFFS) -> dict[str, str]:
-    """File name (relative to invact/_generated) -> content, for every activation in defaults.json."""
-    defaults_path = coeffs_dir / "defaults.json"
-    defaults = json.loads(defaults_path.read_text())
-    files = {"__init__.py": render_index(defaults, [(_rel(defaults_path), _sha256(defaults_path))])}
+    def source(path: Path) -> tuple[str, bytes]:
+        data = replaced.get(path.resolve())
+        return _rel(path), path.read_bytes() if data is None else data
+
+    defaults_name, defaults_bytes = source(coeffs_dir / "defaults.json")
+    try:
+        defaults = json.loads(defaults_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{defaults_name}: not valid JSON ({e})") from None
+    if not (isinstance(defaults, dict) and all(isinstance(v, str) for v in defaults.values())):
+        raise ValueError(f"{defaults_name}: expected an object of activation -> family names")
+    files = {"__init__.py": render_index(defaults, [(defaults_name, _sha256(defaults_bytes))])}
     for activation, family in sorted(defaults.items()):
         path = coeffs_dir / activation / f"{family}.json"
-        c = load(path)
-        sources = [(_rel(path), _sha256(path))]
+        name, data = source(path)
+        try:
+            c = loads(data.decode("utf-8"), path)
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text") from None
+        sources = [(name, _sha256(data))]
         files[f"{activation}.py"] = render_torch(c, sources)
         files[f"{activation}_cpu.py"] = render_cpu(c, sources)
         files[f"{activation}_triton.py"] = render_triton(c, sources)
     return files
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _rel(path: Path) -> str:

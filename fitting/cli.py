@@ -2,12 +2,17 @@
 
 Exit status: 0 on success, 2 for bad arguments or unusable inputs (unknown activation or family, an
 unreadable or invalid --init file, an output path that cannot be written), 1 if the fit itself fails,
-130 on Ctrl-C. Errors are one line on stderr. Files are written atomically, only after the fit
-succeeded, so an interrupted or failed run leaves no partial file.
+130 on Ctrl-C. Errors are one line on stderr. Every option is checked before any work (an output
+folder that cannot be written, a --plot suffix matplotlib cannot write, an --init file). Files are
+written atomically and only after everything that can fail has succeeded (the fit, then the JSON, the
+plot and, with --codegen, the regenerated modules, all rendered in memory), so a failed run changes
+neither coeffs/ nor invact/_generated/.
 """
 
 from __future__ import annotations
 
+# Only the standard library at import time: everything else is imported inside main(), so a Ctrl-C
+# while numpy, sympy, scipy or matplotlib load is caught there and reported in one line (exit 130).
 import argparse
 import contextlib
 import os
@@ -15,17 +20,15 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-from codegen.coeffs_json import CoeffsError, load, save
-from fitting.activations import ACTIVATIONS, UnknownActivation, get_activation
-from fitting.families import FAMILIES, UnknownFamily, get_family, require_two_branches
-from fitting.pipeline import FamilyFit, fit_family
-from fitting.search import BACKENDS
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# pyoperon's GeneticAlgorithmConfig takes the seed as an unsigned 64-bit integer: 2**64 and -1 fail
+# inside it with a long traceback, so the CLI refuses them first.
+MAX_SEED = 2**64 - 1
 
 
 class UsageError(Exception):
@@ -39,8 +42,36 @@ def default_coeffs_dir() -> Path:
     return Path.cwd() / "coeffs"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like every other invact-fit error (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in some messages
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from fitting.activations import ACTIVATIONS
+    from fitting.families import SEARCH, family_names
+    from fitting.search import BACKENDS
+
+    parser = _Parser(
         prog="invact-fit",
         description=(
             "Fit q(y) ~ f'(f^-1(y)) on each monotone branch of an activation, print the errors of the "
@@ -51,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
             f"activations: {', '.join(sorted(ACTIVATIONS))} (quick_gelu is silu rescaled: it reuses "
             "silu's fit). Monotone, with one branch and no bit (fit them with --family exact): "
             f"{', '.join(sorted(a for a, act in ACTIVATIONS.items() if act.monotone))}. "
-            f"families: {', '.join(sorted(FAMILIES))}, and search (symbolic regression; "
+            f"families: {', '.join(family_names())} ({SEARCH}: symbolic regression; "
             "see --search-backend). "
             "Example: invact-fit gelu --family paper --plot gelu.png"
         ),
@@ -61,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out", type=Path, help="where to write the JSON (default: coeffs/<activation>/<family>.json)"
     )
-    parser.add_argument("--plot", type=Path, metavar="PNG", help="also write the paper's Fig. 2 analogue")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="also write the paper's Fig. 2 analogue (format from the suffix: .png, .pdf, .svg, ...)",
+    )
     parser.add_argument(
         "--init",
         type=Path,
@@ -75,9 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget", type=int, default=100, help="with --family search: generations (default 100)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="with --family search: random seed (default 0)")
     parser.add_argument(
-        "--max-flops", type=int, help="with --family search: most flops per branch (default: the paper's)"
+        "--seed",
+        type=_int_in(0, MAX_SEED),
+        default=0,
+        help=f"with --family search: random seed, 0 to {MAX_SEED} (default 0)",
+    )
+    parser.add_argument(
+        "--max-flops",
+        type=_int_in(1),
+        help="with --family search: most flops per branch, at least 1 (default: the paper's)",
     )
     parser.add_argument(
         "--codegen",
@@ -90,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def _progress(console: Console) -> Iterator[Callable[[str], None]]:
     """A transient spinner with elapsed time; yields say(message) to update its text."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
+    # Only on a terminal: elsewhere (a pipe, a log) rich would leave an empty line behind on stderr.
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("starting", total=None)
         yield lambda message: bar.update(task, description=message)
 
@@ -114,19 +160,51 @@ def _check_writable(path: Path, what: str) -> None:
         raise UsageError(f"cannot write {what} {path}: {e.strerror or e}") from None
 
 
+def _check_plot(path: Path) -> str:
+    """The plot's format, checked with its folder before any work (UsageError if unusable)."""
+    from fitting.plot import plot_format
+
+    _check_writable(path, "plot")
+    try:
+        return plot_format(path)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _start_from(init: Path, activation: str, family: str) -> dict[str, dict[str, float]]:
+    """The --init file's coefficients per branch, in the family's order. A file stores them with
+    sorted keys (c0, c1, c10, ..., c2), so they are matched by name, not position."""
+    from codegen.coeffs_json import load
+    from fitting.families import get_family
+
     coeffs = load(init)
     if (coeffs.activation, coeffs.family) != (activation, family):
         raise UsageError(f"{init}: holds {coeffs.activation}/{coeffs.family}, not {activation}/{family}")
     expected = get_family(family, activation)
-    for name, branch in coeffs.branches.items():
-        if list(branch.coefficients) != list(expected.branches[name].start):
-            raise UsageError(f"{init}: branches.{name}.coefficients: names differ from the family's")
-    return {name: dict(b.coefficients) for name, b in coeffs.branches.items()}
+    if set(coeffs.branches) != set(expected.branches):
+        raise UsageError(
+            f"{init}: branches {sorted(coeffs.branches)} differ from the family's {sorted(expected.branches)}"
+        )
+    start = {}
+    for name, form in expected.branches.items():
+        got = coeffs.branches[name].coefficients
+        missing, extra = sorted(set(form.start) - set(got)), sorted(set(got) - set(form.start))
+        if missing or extra:
+            raise UsageError(
+                f"{init}: branches.{name}.coefficients: names differ from the family's "
+                f"(missing {missing}, unexpected {extra})"
+            )
+        start[name] = {k: got[k] for k in form.start}
+    return start
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    if args.family == "search":
+    """Check every input and output first, fit, render every output in memory, then write them."""
+    from codegen.coeffs_json import CoeffsError, dumps, write_atomic
+    from fitting.activations import UnknownActivation, get_activation
+    from fitting.families import SEARCH, UnknownFamily, get_family
+
+    if args.family == SEARCH:
         return run_search(args, console)
     try:
         get_activation(args.activation)
@@ -135,8 +213,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(str(e)) from None
     out = args.out or default_coeffs_dir() / args.activation / f"{args.family}.json"
     _check_writable(out, "output")
-    if args.plot:
-        _check_writable(args.plot, "plot")
+    plot_format = _check_plot(args.plot) if args.plot else None
     start = None
     if args.init:
         try:
@@ -144,39 +221,61 @@ def run(args: argparse.Namespace, console: Console) -> int:
         except CoeffsError as e:
             raise UsageError(str(e)) from None
 
+    from fitting.pipeline import FamilyFit, fit_family
+    from fitting.report import print_report  # rich tables
+
     command = f"invact-fit {args.activation} --family {args.family}"
     if args.init:
         command += f" --init {args.init}"
     with _progress(console) as say:
         fit: FamilyFit = fit_family(args.activation, args.family, start=start, progress=say)
+        # Everything that can fail happens before the first write: the JSON (validated), the plot and
+        # the regenerated modules (rendered with the new JSON in place of the file on disk).
+        say("rendering outputs")
+        text = dumps(fit.coeff_file(command))
+        image = None
+        if plot_format:
+            from fitting.plot import figure_bytes
 
-    from fitting.report import print_report  # rich tables; imported late to keep --help fast
+            image = figure_bytes(fit, plot_format)
+        regenerate = None
+        if args.codegen:
+            from codegen.__main__ import plan
+
+            regenerate = plan(replaced={out: text})
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    save(fit.coeff_file(command), out)
-    print_report(fit, str(out), Console(width=None if sys.stdout.isatty() else 120))
-    if args.plot:
-        from fitting.plot import save_figure
-
+    write_atomic(out, text)
+    print_report(fit, str(out), _report_console())
+    if image is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        save_figure(fit, args.plot)
+        write_atomic(args.plot, image)
         print(f"plot written to {args.plot}")
-    if args.codegen:
-        from codegen.__main__ import main as regenerate
+    if regenerate is not None:
+        from codegen.__main__ import apply
 
-        return regenerate([])
+        apply(regenerate)
     return 0
+
+
+def _report_console(width: int = 120) -> Console:
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else width)
 
 
 def run_search(args: argparse.Namespace, console: Console) -> int:
     """--family search: symbolic search per branch, refined by this toolkit; writes the chosen
     formula (coefficient JSON) and the Pareto front (<out stem>_front.json)."""
+    from codegen.coeffs_json import dumps, write_atomic
+    from fitting.activations import UnknownActivation, get_activation
+    from fitting.families import SEARCH, UnknownFamily, require_two_branches
     from fitting.search import SearchSettings, SearchUnavailable
     from fitting.search import front as search_front
 
     try:
         act = get_activation(args.activation)
-        require_two_branches("search", act)
+        require_two_branches(SEARCH, act)
     except (UnknownActivation, UnknownFamily) as e:
         raise UsageError(str(e)) from None
     if act.derivation:
@@ -185,6 +284,9 @@ def run_search(args: argparse.Namespace, console: Console) -> int:
         )
     if args.budget < 1:
         raise UsageError("--budget must be at least 1 generation")
+    for flag in ("init", "plot", "codegen"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag} does not apply to --family search")
     if args.search_backend == "pysr":
         from fitting.search.pysr import check_available
 
@@ -209,30 +311,39 @@ def run_search(args: argparse.Namespace, console: Console) -> int:
     chosen = {b: search_front.choose(f, (limits or {}).get(b)) for b, f in fronts.items()}
     command = f"invact-fit {act.name} --family search --search-backend {args.search_backend}"
     command += f" --budget {args.budget} --seed {args.seed}"
+    # Both files rendered (and the JSON validated) before either is written.
+    text = dumps(search_front.coeff_file(act, chosen, command, settings))
+    front_text = search_front.front_json(act, fronts, settings)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save(search_front.coeff_file(act, chosen, command, settings), out)
-    search_front.write_front(front_path, act, fronts, settings)
+    write_atomic(out, text)
+    write_atomic(front_path, front_text)
     from fitting.search.report import print_fronts
 
-    print_fronts(act.name, fronts, chosen, limits, Console(width=None if sys.stdout.isatty() else 140))
+    print_fronts(act.name, fronts, chosen, limits, _report_console(140))
     print(f"written: {out} (chosen per branch), {front_path} (Pareto fronts)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = Console(stderr=True)
+    """Errors are one line on stderr: 2 bad input, 1 a failed fit, 130 interrupted (Ctrl-C)."""
     try:
-        return run(args, console)
+        args = build_parser().parse_args(argv)
+        from rich.console import Console
+
+        return run(args, Console(stderr=True))
     except UsageError as e:
-        print(f"invact-fit: error: {e}", file=sys.stderr)
+        print(f"invact-fit: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("invact-fit: interrupted; nothing was written", file=sys.stderr)
+        print("invact-fit: interrupted", file=sys.stderr)
         return 130
     except (OSError, RuntimeError, ValueError) as e:
-        print(f"invact-fit: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"invact-fit: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 if __name__ == "__main__":

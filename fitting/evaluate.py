@@ -1,4 +1,4 @@
-"""Error metrics of an approximation q of f'(f_b^-1(y)), as defined in DESIGN.md, and flop counts.
+"""Error metrics of an approximation q of f'(f_b^-1(y)) (README, "Error metrics"), and flop counts.
 
 - linf: max |q(y) - target(y)| with y = f(x) in float64, x on the branch within [-20, 20]: a uniform
   grid of 2^17 points plus 4096 points geometric in |x - T| from 1e-12 (the cusp).
@@ -181,7 +181,7 @@ def storage_floor(act: Activation, branch: Branch, fmt: FloatFormat) -> float:
 
 
 def errors(act: Activation, branch: Branch, q: QFunction) -> dict[str, float]:
-    """All error metrics of DESIGN.md for one branch: l2, linf, linf_fp32, linf_fp16, linf_bf16."""
+    """All error metrics for one branch: l2, linf, linf_fp32, linf_fp16, linf_bf16."""
     out = {"linf": linf(act, branch, q), "l2": l2(act, branch, q)}
     for name, fmt in FORMATS.items():
         out[f"linf_{name}"] = linf_dtype(act, branch, q, fmt)

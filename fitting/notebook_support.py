@@ -185,7 +185,7 @@ METRICS = {
 
 def comparison_figure(act: Activation, fewbit: list[dict], invact: list[dict], facts: dict | None) -> Figure:
     """The paper's Fig. 5 (right): per metric, the optimal k-bit quantizer for that metric against k, and
-    each InvAct file as a horizontal line; FACTS.md's FewBit re-implementation as markers when given."""
+    each InvAct file as a horizontal line; a published FewBit re-implementation as markers when given."""
     fig = Figure(figsize=(16, 4.5), layout="constrained")
     fig.suptitle(f"{act.name}: optimal k-bit FewBit quantizers against InvAct (log scale)")
     for ax, (metric, title) in zip(fig.subplots(1, 3), METRICS.items(), strict=True):
@@ -196,7 +196,7 @@ def comparison_figure(act: Activation, fewbit: list[dict], invact: list[dict], f
         if facts and metric != "l2_normal":
             col = 0 if metric == "l2" else 1
             ax.semilogy(list(facts), [v[col] for v in facts.values()], "s", mfc="none", color="gray",
-                        label="FewBit, gradient descent (FACTS.md)")  # fmt: skip
+                        label="FewBit, gradient descent (published)")  # fmt: skip
         for i, r in enumerate(invact):
             ax.axhline(r[metric], color=f"C{i}", lw=1.2, label=f"InvAct {r['file']}")
         ax.set(title=title, xlabel="k (bits per element)", ylabel="error")
@@ -220,7 +220,7 @@ def comparison_rows(fewbit: list[dict], invact: list[dict]) -> list[dict]:
 
 
 def facts_rows(fewbit: list[dict]) -> list[dict]:
-    """FACTS.md's FewBit table (GELU, gradient descent on the unweighted L2) beside the optimal quantizers:
+    """A published FewBit table (GELU, gradient descent on the unweighted L2) beside the optimal quantizers:
     the L2-optimal one's L2 and L-inf (the same quantity as the table's columns) and the L-inf optimum."""
     by = {(r["k"], r["objective"]): r for r in fewbit}
     return [

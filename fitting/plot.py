@@ -7,6 +7,7 @@ against x, on a log scale, with the fp32/fp16/bf16 storage floors as horizontal 
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -15,8 +16,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
-from codegen.coeffs_json import atomic_target  # noqa: E402
+from codegen.coeffs_json import write_atomic  # noqa: E402
 from fitting.activations import get_activation  # noqa: E402
 from fitting.evaluate import compile_q, metric_x_grid  # noqa: E402
 from fitting.pipeline import FamilyFit  # noqa: E402
@@ -74,11 +76,30 @@ def figure(fit: FamilyFit) -> plt.Figure:
     return fig
 
 
-def save_figure(fit: FamilyFit, path: str | os.PathLike) -> None:
-    """Render and write atomically; the format follows the suffix (.png, .pdf, .svg)."""
+def plot_format(path: str | os.PathLike) -> str:
+    """The image format `path`'s suffix names (no suffix: png); ValueError, one line, if matplotlib
+    cannot write it. Cheap: call it before any work."""
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in supported:
+        raise ValueError(
+            f"cannot write plot {path}: format {fmt!r} (from its suffix) is not one matplotlib writes; "
+            f"use one of {', '.join(sorted(supported))}"
+        )
+    return fmt
+
+
+def figure_bytes(fit: FamilyFit, fmt: str) -> bytes:
+    """The figure rendered in `fmt` (see plot_format), in memory: nothing is written."""
     fig = figure(fit)
     try:
-        with atomic_target(path) as tmp:
-            fig.savefig(tmp, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
+        buffer = io.BytesIO()
+        fig.savefig(buffer, dpi=110, format=fmt)
+        return buffer.getvalue()
     finally:
         plt.close(fig)
+
+
+def save_figure(fit: FamilyFit, path: str | os.PathLike) -> None:
+    """Render, then write atomically; the format follows the suffix (.png, .pdf, .svg; plot_format)."""
+    write_atomic(path, figure_bytes(fit, plot_format(path)))

@@ -6,10 +6,10 @@ one constant per interval (FewBit stores the interval's index, k bits per elemen
 gradients (dimensionless); x is the pre-activation. Metrics of an approximation g(x) of f'(x):
 
 - `l2`: sqrt of the integrated squared error, sqrt(int_{-100}^{100} (g - f')^2 dx), unweighted (units:
-  gradient * sqrt(x)); the definition of FACTS.md's FewBit table.
+  gradient * sqrt(x)); the definition of a published FewBit table (a gradient-descent re-implementation).
 - `linf`: max |g - f'| over x in [-100, 100] (gradient units).
 - `l2_normal`: RMS of g - f' with x ~ N(0, 1), on the quadrature of `fitting.evaluate.l2` but over both
-  branches at once (gradient units): the project's `l2` (DESIGN.md) for a function of x.
+  branches at once (gradient units): the project's `l2` (README, "Error metrics") for a function of x.
 
 Optima (each is exact for its discretization; see the functions for the resolution):
 - `l2_optimal`: minimizes int w (Q - f')^2 dx (w = 1 on [-100, 100], or the N(0, 1) density on
@@ -28,7 +28,7 @@ import numpy as np
 
 from fitting.activations import Activation
 
-X_DOMAIN = (-100.0, 100.0)  # FACTS.md's FewBit table: x in [-100, 100]
+X_DOMAIN = (-100.0, 100.0)  # the published FewBit table's domain: x in [-100, 100]
 NORMAL_DOMAIN = (-10.0, 10.0)  # the N(0, 1)-weighted L2 ignores the rest (weight < 2e-22)
 _NORMAL_POINTS = 2**16  # same quadrature as fitting.evaluate.l2
 _GAUSS_NODES = 8  # Gauss-Legendre nodes per cell for the integrals
@@ -36,7 +36,7 @@ _MONITOR_POINTS = 200_001  # auxiliary grid on which f'' is differenced to place
 _MONITOR_FLOOR = 1e-3  # relative floor of the cell density, so that the flat tails keep some cells
 _BISECTION_RTOL = 1e-12
 
-# FACTS.md, "FewBit ... as a baseline": a re-implementation of FewBit's gradient-descent fit of GELU's
+# FewBit (Novikov et al., ICML 2023) as a baseline: a re-implementation of its gradient-descent fit of GELU's
 # f' (unweighted L2 over x in [-100, 100]); k -> (L2, L-inf). An optimal quantizer is no worse in L2.
 FACTS_FEWBIT_GELU = {
     1: (0.376, 0.500),
@@ -137,7 +137,7 @@ def _borders(parent: np.ndarray, n: int, m: int) -> np.ndarray:
 def l2_optimal(act: Activation, max_bits: int = 8, cells: int = 4000, weight: str = "uniform") -> dict:
     """{k: Quantizer} for k = 1..max_bits, each minimizing int w (Q - f')^2 dx over borders on a grid.
 
-    weight "uniform": w = 1 on X_DOMAIN (FACTS.md's L2); "normal": the N(0, 1) density on NORMAL_DOMAIN
+    weight "uniform": w = 1 on X_DOMAIN (the published L2); "normal": the N(0, 1) density on NORMAL_DOMAIN
     (the project's l2). The grid has `cells` cells equidistributed in (w f''^2)^(1/3), the asymptotic
     density of optimal borders, with Gauss-Legendre integrals per cell: the DP is exactly optimal over
     borders on the grid, and the continuous optimum is below it by the border rounding. GELU's k = 8 L2

@@ -49,7 +49,10 @@ class Family:
 
 
 FamilyBuilder = Callable[[Activation], Family]
-FAMILIES: dict[str, FamilyBuilder] = {}
+FAMILIES: dict[str, FamilyBuilder] = {}  # the fixed-form families, by name (see `register`)
+# The family with no fixed form: a symbolic search proposes its forms (fitting/search), which
+# `invact-fit --family search` fits and measures; it has no builder here.
+SEARCH = "search"
 NATIVE: set[str] = set()  # families built for derived activations directly, not derived from the base
 MONOTONE: set[str] = set()  # families for monotone activations (one branch); the rest need two
 
@@ -68,13 +71,18 @@ def register(
     return wrap
 
 
+def family_names() -> list[str]:
+    """Every family name `invact-fit --family` takes: the registered builders, and SEARCH."""
+    return sorted([*FAMILIES, SEARCH])
+
+
 class UnknownFamily(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
 
 
 def require_two_branches(name: str, act: Activation) -> None:
-    """Raise UnknownFamily when a two-branch family (any but MONOTONE; also 'search') meets a monotone
+    """Raise UnknownFamily when a two-branch family (any but MONOTONE; also SEARCH) meets a monotone
     activation."""
     if act.monotone and name not in MONOTONE:
         raise UnknownFamily(
@@ -100,8 +108,13 @@ def derive(base: Family, activation: str, scale: float) -> Family:
 
 def get_family(name: str, activation: str) -> Family:
     """The family `name` for `activation` (derived activations get their base's, rescaled)."""
+    if name == SEARCH:
+        raise UnknownFamily(
+            f"family {SEARCH!r} has no fixed form: a symbolic search proposes it "
+            f"(invact-fit {activation} --family {SEARCH})"
+        )
     if name not in FAMILIES:
-        raise UnknownFamily(f"unknown family {name!r} (choose from {', '.join(sorted(FAMILIES))})")
+        raise UnknownFamily(f"unknown family {name!r} (choose from {', '.join(family_names())})")
     act = get_activation(activation)
     require_two_branches(name, act)
     if act.derivation is not None and name not in NATIVE:

@@ -7,8 +7,7 @@ is fitted; the pipeline measures it like any family (its error is float64 roundi
 
 from __future__ import annotations
 
-import sympy
-
+from codegen.safe_expr import parse
 from fitting.activations import Activation
 from fitting.families import BranchForm, Family, UnknownFamily, Y, register
 
@@ -20,7 +19,7 @@ def exact(act: Activation) -> Family:
             f"family 'exact' has no form for {act.name!r}: no closed form of f'(f^-1(y)) is registered "
             "for it (Activation.exact_q, monotone activations only)"
         )
-    expression = sympy.sympify(act.exact_q, locals={"y": Y})
+    expression = parse(act.exact_q, {"y": Y}, where=f"{act.name}: exact_q")
     return Family(
         "exact",
         act.name,

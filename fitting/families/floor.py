@@ -1,6 +1,6 @@
 """The 'floor' family: piecewise polynomials in variables where q is smooth, at the fp32 storage floor.
 
-Goal: error <= GOAL = 1e-5 on the fp32 lattice (DESIGN.md metrics) on both branches, with kernels that
+Goal: error <= GOAL = 1e-5 on the fp32 lattice (README, "Error metrics") on both branches, with kernels that
 keep it when they compute in fp32. Each branch is two pieces, selected by y; each piece is
 q = A(y) + B(y) * P(z), P a Horner polynomial in z in [-1, 1] with monomial coefficients c_k:
 
@@ -35,6 +35,7 @@ import sympy
 from numpy.polynomial import chebyshev
 from sympy import Max, Min, Piecewise, exp, log, sqrt
 
+from codegen.safe_expr import parse
 from fitting.activations import Activation
 from fitting.evaluate import metric_x_grid
 from fitting.families import BranchForm, Family, UnknownFamily, Y, coefficient_symbols, register
@@ -152,7 +153,7 @@ def left_form(act: Activation, split_fraction: float) -> tuple[BranchForm, int]:
 def right_form(act: Activation, split: float) -> tuple[BranchForm, int]:
     if act.right_decay is None:
         raise UnknownFamily(f"family 'floor' needs {act.name}'s right_decay in the activation registry")
-    decay = sympy.sympify(act.right_decay, locals={"y": Y}).subs(Y, Max(Y, _f(act.y_min)))
+    decay = parse(act.right_decay, {"y": Y}, where=f"{act.name}: right_decay").subs(Y, Max(Y, _f(act.y_min)))
     y, t = _samples(act, "right")
     s_cap = _rounded(np.sqrt(_last_y_beyond(y, np.abs(t - 1)) - act.y_min))
     s_split = _rounded(np.sqrt(split - act.y_min))

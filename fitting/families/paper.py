@@ -7,10 +7,11 @@ Guards added to the written formulas, none of which changes a value on the branc
   0 in float64 for any c3 > 1e-9, and the cap keeps the cube and the prefactor finite (no 0 * inf);
   SiLU's (1 - y) factor there is capped the same way (fp32 y near 3e38 times the prefactor overflows);
 - SiLU's f' = p*(1 - y) + y is written as 1 + (1 - y)*(p - 1) on the right branch, where p -> 1 and
-  the printed form cancels catastrophically for large y (FACTS.md).
+  the printed form cancels catastrophically for large y.
 
 The appendix prints SiLU's two coefficient tables with their labels swapped: the 4-coefficient table
-belongs to the left polynomial, the 5-coefficient one to the right exponential form (FACTS.md).
+belongs to the left polynomial, the 5-coefficient one to the right exponential form
+(tests/fitting/test_evaluate.py pins the errors).
 GELU's forms serve gelu_tanh too, refitted from GELU's coefficients (no published set exists).
 """
 

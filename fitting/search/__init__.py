@@ -3,7 +3,7 @@ by this toolkit.
 
 A backend proposes expressions in u = y - y_min >= 0 (the distance from the cusp) with numeric
 constants. Each is turned into a BranchForm whose constants become free coefficients c0..cn, fitted
-like any family (least squares, then minimax), and measured with DESIGN.md's metrics. The result
+like any family (least squares, then minimax), and measured with the README's error metrics. The result
 per branch is the Pareto front of (flops, linf_fp32).
 
 Backends: "operon" (pyoperon, embedded, runs anywhere) and "pysr" (needs Julia, which cannot be

@@ -14,7 +14,7 @@ import numpy as np
 from codegen.coeffs_json import BranchCoeffs, CoeffFile, write_atomic
 from fitting.activations import Activation
 from fitting.evaluate import compile_q, count_flops, errors, storage_floors
-from fitting.families import BranchForm, UnknownFamily, get_family
+from fitting.families import SEARCH, BranchForm, UnknownFamily, get_family
 from fitting.fit import FitSettings, Progress, fit_branch, fit_sample
 from fitting.pipeline import SELECTION_METRIC, library_version
 from fitting.search import SearchSettings, parametrize, propose
@@ -99,13 +99,18 @@ def coeff_file(
         for b, m in chosen.items()
     }
     return CoeffFile(
-        activation=act.name, family="search", threshold=act.threshold, y_min=act.y_min, branches=branches,
+        activation=act.name, family=SEARCH, threshold=act.threshold, y_min=act.y_min, branches=branches,
         provenance={"command": command, "package_version": library_version("invact"), "seed": settings.seed,
                     "search": settings.__dict__, "selection_metric": SELECTION_METRIC},
     )  # fmt: skip
 
 
-def write_front(path, act: Activation, fronts: dict[str, list[Measured]], settings: SearchSettings) -> None:
+def front_json(act: Activation, fronts: dict[str, list[Measured]], settings: SearchSettings) -> str:
+    """The Pareto fronts as JSON text (schema FRONT_SCHEMA), sorted keys."""
     doc = {"schema": FRONT_SCHEMA, "activation": act.name, "search": settings.__dict__,
            "branches": {b: [m.to_dict() for m in front] for b, front in fronts.items()}}  # fmt: skip
-    write_atomic(path, json.dumps(doc, sort_keys=True, indent=2, allow_nan=False) + "\n")
+    return json.dumps(doc, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+
+def write_front(path, act: Activation, fronts: dict[str, list[Measured]], settings: SearchSettings) -> None:
+    write_atomic(path, front_json(act, fronts, settings))

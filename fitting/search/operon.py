@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 import sympy
 
+from codegen.safe_expr import ExpressionError, parse
 from fitting.search import SearchSettings, U
 
 _SYMBOLS = "add,sub,mul,div,exp,log,sqrt,constant,variable"
 
 
 def search(u: np.ndarray, target: np.ndarray, settings: SearchSettings) -> list[sympy.Expr]:
-    """The Pareto front of (R^2, length) as sympy expressions in U."""
+    """The Pareto front of (R^2, length) as sympy expressions in U. pyoperon's model strings are read
+    by the safe reader (codegen.safe_expr); one it cannot read (a name other than u, ...) is skipped."""
     from pyoperon.sklearn import SymbolicRegressor
 
     reg = SymbolicRegressor(
@@ -23,7 +25,8 @@ def search(u: np.ndarray, target: np.ndarray, settings: SearchSettings) -> list[
     expressions = []
     for model in reg.pareto_front_:
         text = reg.get_model_string(model["tree"], 17).replace("X1", "u")
-        expr = sympy.sympify(text, locals={"u": U})
-        if expr.free_symbols <= {U}:
-            expressions.append(expr)
+        try:
+            expressions.append(parse(text, {"u": U}, where="pyoperon model"))
+        except ExpressionError:
+            continue
     return expressions

@@ -12,7 +12,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -0.7517915246935645  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.16997120747990363  # f(T)
-# Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 6.272224335287823e-07, "linf": 8.984740373502165e-07, "linf_bf16": 8.984603907559452e-07, "linf_fp16": 8.984738206277432e-07, "linf_fp32": 8.984740373259303e-07}, "right": {"l2": 1.6730589224542847e-06, "linf": 2.4050862638680393e-06, "linf_bf16": 2.405069769118029e-06, "linf_fp16": 2.405086741708029e-06, "linf_fp32": 2.4050862640345727e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.01439796125379747, "fp16": 0.0064651155998487475, "fp32": 4.772881636230797e-05}, "right": {"bf16": 0.015527051957455601, "fp16": 0.006583499730818343, "fp32": 4.772737017544326e-05}}

@@ -12,7 +12,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -0.7524614220710162  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.17004075057125406  # f(T)
-# Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 5.821231834642536e-07, "linf": 8.622875955627274e-07, "linf_bf16": 8.571302781345755e-07, "linf_fp16": 8.636493769031972e-07, "linf_fp32": 8.622864889479276e-07}, "right": {"l2": 1.5125850173255547e-06, "linf": 2.166538512593519e-06, "linf_bf16": 2.1665058881348287e-06, "linf_fp16": 2.166535911340972e-06, "linf_fp32": 2.1665385128155634e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.012097515756524901, "fp16": 0.0069739018546013665, "fp32": 5.127494734200044e-05}, "right": {"bf16": 0.013286176527502858, "fp16": 0.007121941105241808, "fp32": 5.1290184837904373e-05}}

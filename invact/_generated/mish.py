@@ -12,7 +12,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -1.1924312145154954  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.30884341301725043  # f(T)
-# Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 8.995834262050864e-07, "linf": 1.3987718407229566e-06, "linf_bf16": 1.3986336605889549e-06, "linf_fp16": 1.3987715717367344e-06, "linf_fp32": 1.3987718407160177e-06}, "right": {"l2": 1.6216251324429707e-06, "linf": 2.3373831714579296e-06, "linf_bf16": 2.3315079284991214e-06, "linf_fp16": 2.337205724955993e-06, "linf_fp32": 2.337383176342911e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.01301471736238885, "fp16": 0.006403485247641227, "fp32": 6.916524698674653e-05}, "right": {"bf16": 0.014970022729107857, "fp16": 0.006628791356498909, "fp32": 6.918357716201307e-05}}

@@ -12,7 +12,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -0.7511542554412891  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.16361018963635354  # f(T)
-# Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 1.2967150447281383e-06, "linf": 1.8464375248942444e-06, "linf_bf16": 1.846180898212868e-06, "linf_fp16": 1.8462147240022597e-06, "linf_fp32": 1.8462149808939898e-06}, "right": {"l2": 1.5050492694296626e-06, "linf": 2.137706198168665e-06, "linf_bf16": 2.1377054567617293e-06, "linf_fp16": 2.1377062030536464e-06, "linf_fp32": 2.1377061982796874e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.013774638582417325, "fp16": 0.005109010920759436, "fp32": 7.14925694672926e-05}, "right": {"bf16": 0.015262512931937687, "fp16": 0.0052189307527029955, "fp32": 7.166326262314378e-05}}

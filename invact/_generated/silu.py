@@ -12,7 +12,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -1.278464542761074  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.27846454276107385  # f(T)
-# Measured by invact-fit (DESIGN.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 1.2941663829150822e-06, "linf": 1.8488083475820538e-06, "linf_bf16": 1.8486963364663933e-06, "linf_fp16": 1.848806782951684e-06, "linf_fp32": 1.8488083474710315e-06}, "right": {"l2": 8.171206902595425e-07, "linf": 1.2800421975711629e-06, "linf_bf16": 1.2798465791608038e-06, "linf_fp16": 1.2800401576473774e-06, "linf_fp32": 1.280042196905029e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.013265895498637367, "fp16": 0.004694904665256919, "fp32": 5.6517765439861215e-05}, "right": {"bf16": 0.015008857215276738, "fp16": 0.004915322207590752, "fp32": 5.666058591964254e-05}}

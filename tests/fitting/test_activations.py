@@ -70,7 +70,7 @@ def test_threshold_is_the_root_of_the_derivative(name):
 
 
 def test_paper_thresholds():
-    # FACTS.md: GELU T = -0.7517915246935646, SiLU T = -1.278464542761074 (printed to 16 digits).
+    # The paper: GELU T = -0.7517915246935646, SiLU T = -1.278464542761074 (printed to 16 digits).
     assert get_activation("gelu").threshold == pytest.approx(-0.7517915246935646, abs=2e-16)
     assert get_activation("silu").threshold == pytest.approx(-1.278464542761074, abs=2e-16)
 

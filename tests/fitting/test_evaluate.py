@@ -1,4 +1,4 @@
-"""Metrics: dtype rounding, lattices, and the published coefficients' errors from FACTS.md."""
+"""Metrics: dtype rounding, lattices, and the published coefficients' errors, measured."""
 
 import numpy as np
 import pytest
@@ -48,7 +48,7 @@ def test_lattices():
     np.testing.assert_array_equal(np.diff(fp32.astype(np.float32).view(np.int32)), -1)  # consecutive
 
 
-# FACTS.md, measured with a float64 reference over x in [-20, 20]: max |q - f'(f^-1(y))| of the
+# Measured with a float64 reference over x in [-20, 20]: max |q - f'(f^-1(y))| of the
 # published coefficients. Printed to 2-3 digits, hence rel=0.01. A swapped SiLU table (the appendix's
 # label error) or a mistyped coefficient moves these by far more.
 PUBLISHED_LINF = {("gelu", "left"): 1.25e-3, ("gelu", "right"): 1.87e-2, ("silu", "left"): 8.3e-4,

@@ -26,8 +26,9 @@ def test_forms_use_only_y_coefficients_and_allowed_functions(activation):
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_every_finite_16bit_input_gives_a_finite_value(activation, dtype):
-    # FACTS.md traps: exp(c3 (c4 - y~)^3) -> 0 times an infinite prefactor, SiLU's (1 - y) factor,
-    # sqrt of a y rounded below y_min. Every finite 16-bit y, on both branches, must stay finite.
+    # Traps of naive paper formulas: exp(c3 (c4 - y~)^3) -> 0 times an infinite prefactor, SiLU's
+    # (1 - y) factor, sqrt of a y rounded below y_min. Every finite 16-bit y, on both branches, must
+    # stay finite.
     family = get_family("paper", activation)
     y = ALL_16BIT[dtype]
     for form in family.branches.values():

@@ -1,5 +1,5 @@
 """The FewBit baseline (fitting/quantize.py): the optimizers against brute force, and the optimal
-quantizers against FACTS.md's gradient-descent table and against each other."""
+quantizers against a published gradient-descent FewBit table and against each other."""
 
 import itertools
 from pathlib import Path
@@ -65,7 +65,7 @@ def gelu_quantizers():
 
 
 def test_optimal_l2_not_worse_than_facts_table(gelu_quantizers):
-    # FACTS.md, "FewBit (gradient quantization, ICML 2023) as a baseline": L2 of a re-implementation of
+    # FewBit (gradient quantization, Novikov et al., ICML 2023) as a baseline: L2 of a re-implementation of
     # FewBit's gradient-descent fit, x in [-100, 100]. The optimum over borders cannot be worse.
     # Measured (1000 cells): 0.37556, 0.21155, 0.10950, 0.056238, 0.028953, 0.014666, 0.0074124.
     for k, (facts_l2, _) in FACTS_FEWBIT_GELU.items():
