@@ -36,15 +36,15 @@ def int_view(y: torch.Tensor) -> torch.Tensor:
     return y.view(_INT_OF[y.dtype])
 
 
-def set_lsb_(y: torch.Tensor, bit: torch.Tensor) -> torch.Tensor:
-    """Replace y's lowest mantissa bit by `bit` (bool, same shape), in place: y moves by at most 1 ulp."""
-    ints = int_view(y)
-    ints.bitwise_and_(-2).bitwise_or_(bit)
-    return y
+def with_lsb(y: torch.Tensor, bit: torch.Tensor) -> torch.Tensor:
+    """y with its lowest mantissa bit replaced by `bit` (bool, same shape), as a new tensor: y itself
+    may be held elsewhere (selective checkpointing caches the activation's output and checks that
+    nobody modified it). Moves each value by at most 1 ulp."""
+    return ((int_view(y) & -2) | bit).view(y.dtype)
 
 
 def lsb(y: torch.Tensor) -> torch.Tensor:
-    """The bit stored by set_lsb_, as bool."""
+    """The bit stored by with_lsb, as bool."""
     return (int_view(y) & 1).bool()
 
 

@@ -98,7 +98,7 @@ def _forward_impl(x: torch.Tensor, activation: str, precision_bit: bool) -> tupl
         if fused:
             _cpu.set_lsb_less_(_flat(y), x_flat, act.threshold)
             return y, no_bits
-        return _bits.set_lsb_(y, _shaped_like(_is_left(x_flat, act.threshold), y)), no_bits
+        return _bits.with_lsb(y, _shaped_like(_is_left(x_flat, act.threshold), y)), no_bits
     if fused:
         return y, _cpu.pack_less(x_flat, act.threshold)
     return y, _bits.pack(_is_left(x_flat, act.threshold))

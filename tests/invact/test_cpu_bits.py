@@ -29,8 +29,8 @@ def test_pack_less_matches_the_mask_then_pack(n):
 
 
 @pytest.mark.parametrize("n", [1, 13, 2**16 + 5])
-def test_set_lsb_less_matches_the_mask_then_set_lsb(n):
+def test_set_lsb_less_matches_the_mask_then_with_lsb(n):
     x = _inputs(n)
     y = torch.randn(n)
-    want = _bits.set_lsb_(y.clone(), _is_left(x, T))
+    want = _bits.with_lsb(y, _is_left(x, T))
     assert torch.equal(_cpu.set_lsb_less_(y.clone(), x, T).view(torch.int32), want.view(torch.int32))
