@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,10 +26,9 @@ from torch import nn
 import invact
 from invact.activations import ACTIVATIONS
 
-from timing import device_name, device_slug, median_ms, timer
+from timing import device_name, median_ms, timer, write_result
 from tune import kernel_bandwidth
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # (elements of the bare activation, tokens x width of the Linear/MLP/GeGLU rows, BERT batch x seq x
 # layers, Llama batch x seq x layers)
 PRESETS = {
@@ -233,11 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         result["kernel_bandwidth"] = kernel_bandwidth(dtype, preset["elements"], repeats)
     print(markdown(result))
-    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
-    out = args.out or RESULTS / f"speed_{device_slug(args.device)}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {out}")
+    write_result(result, "speed", args.device, args.dtype, args.out)
     return 0
 
 

@@ -1,12 +1,14 @@
-"""What the benchmark scripts share: timing calls on CPU or CUDA, and naming the device."""
+"""What the benchmark scripts share: timing calls on CPU or CUDA, naming the device, writing results."""
 
 from __future__ import annotations
 
+import json
 import platform
 import re
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -76,3 +78,19 @@ def device_slug(device: str) -> str:
 def peak_gbps() -> float | None:
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_GBPS.items() if k in name), None)
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_result(
+    result: dict, kind: str, device: str, dtype: str | None = None, out: Path | None = None
+) -> Path:
+    """Write `result` as JSON to `out`, default results/<kind>_<device slug>[_<dtype>].json (float32, the
+    default dtype, gets no suffix), and say where."""
+    suffix = "" if dtype in (None, "float32") else f"_{dtype}"
+    out = out or RESULTS / f"{kind}_{device_slug(device)}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwritten to {out}")
+    return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +25,8 @@ from torch import nn
 import invact
 from invact.memory import count_saved
 
-from timing import device_name, device_slug
+from timing import device_name, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
@@ -163,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
               "transformers": transformers.__version__, "dtype": args.dtype, "mode": args.mode,
               "small": args.small, "rows": rows}  # fmt: skip
     print(markdown(result))
-    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
-    out = args.out or RESULTS / f"train_memory_{device_slug(args.device)}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {out}")
+    write_result(result, "train_memory", args.device, args.dtype, args.out)
     return 0
 
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-from timing import device_name, device_slug, median_ms, peak_gbps, timer
+from timing import device_name, median_ms, peak_gbps, timer, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -136,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                "gbps": default[f"{kernel}_gbps"]}  # fmt: skip
         results["dtypes"][name] = entry
     print(summary(results))
-    out = args.out or RESULTS / f"tune_{device_slug(args.device)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwritten to {out}")
+    write_result(results, "tune", args.device, out=args.out)
     return 0
 
 

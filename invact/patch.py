@@ -144,37 +144,41 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent_name) if parent_name else model), attr
 
 
+# Names under which a Dropout beside an activation drops the activation's output: timm's Mlp (drop1),
+# wav2vec2's feed-forward (intermediate_dropout), act_drop / activation_dropout styles. A name alone
+# says nothing of order in forward (GPT-2's MLP registers its residual `dropout` after `act`), so
+# other dropouts beside an activation module are not taken as following it.
+_ACTIVATION_DROPOUT_NAME = re.compile(r"act|intermediate|^drop1$", re.IGNORECASE)
+
+
 def _static_risk(model: nn.Module, name: str, function_attribute: bool) -> str | None:
     """Without example inputs: the known patterns where the activation's output is not what the next
     layer saves (so InvAct would add memory), or where an in-place op overwrites it (so backward would
-    fail). None if none applies."""
+    fail). None if none applies. Registration order is call order only in nn.Sequential."""
     parent, attr = _parent(model, name)
     children = list(parent.named_children())
     names = [n for n, _ in children]
-    hint = RISK_HINT
-    if function_attribute:  # called from forward code we cannot see: any dropout beside it may follow it
-        drops = [n for n, m in children if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-        if drops:
-            return f"its module also holds Dropout(p > 0) ({', '.join(drops)}), which may follow it{hint}"
-    elif attr in names and names.index(attr) + 1 < len(names):
+    drops = [n for n, m in children if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    if function_attribute and drops:  # called from forward code we cannot see: any dropout may follow
+        return f"its module also holds Dropout(p > 0) ({', '.join(drops)}), which may follow it{RISK_HINT}"
+    if isinstance(parent, nn.Sequential) and attr in names and names.index(attr) + 1 < len(names):
         after_name, after = children[names.index(attr) + 1]
         if getattr(after, "inplace", False) is True and not isinstance(after, _InvAct):
             return (f"the next module, {after_name} ({type(after).__name__}), works in place: it would "
                     "overwrite the output InvAct saves for backward")  # fmt: skip
-        if isinstance(after, nn.modules.dropout._DropoutNd) and after.p > 0:
+        if after_name in drops:
             return (f"the next module, {after_name}, is Dropout(p={after.p}): the next layer saves the "
-                    f"dropped-out tensor, not this output, so InvAct would add memory{hint}")  # fmt: skip
+                    f"dropped-out tensor, not this output: InvAct would add memory{RISK_HINT}")  # fmt: skip
     # transformers' encoder-decoder layers (BART, Whisper, ...) apply F.dropout(p=self.activation_dropout)
-    # to the activation's output in forward code; wav2vec2-style feed-forwards hold it as a module.
+    # to the activation's output in forward code.
     p = getattr(parent, "activation_dropout", 0.0)
     if isinstance(p, (int, float)) and p > 0:
         return (f"its module applies dropout (activation_dropout={p}) to this output, so the next layer "
-                f"saves another tensor and InvAct would add memory{hint}")  # fmt: skip
-    drops = [n for n, m in children if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-             and ("act" in n.lower() or "intermediate" in n.lower())]  # fmt: skip
-    if drops:
-        return (f"its module holds {drops[0]}, a Dropout(p > 0) on the activation's output by its name, "
-                f"so the next layer saves another tensor and InvAct would add memory{hint}")  # fmt: skip
+                f"saves another tensor and InvAct would add memory{RISK_HINT}")  # fmt: skip
+    named = [n for n in drops if _ACTIVATION_DROPOUT_NAME.search(n)]
+    if named:
+        return (f"its module holds {named[0]}, by its name a Dropout(p > 0) on the activation's output, "
+                f"so the next layer saves another tensor and InvAct would add memory{RISK_HINT}")  # fmt: skip
     return None
 
 
@@ -206,9 +210,10 @@ def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", ex
     one training-mode forward of the model (RNG state and train/eval modes are restored). With them
     each activation is replaced only where that saves memory, measured: its output must be what a
     later op saves (not so after dropout or a reduction) and nothing may modify it in place. Without
-    them, known risky patterns are left alone: Dropout(p > 0) or an in-place module right after it, a
-    module that applies `activation_dropout` to it (transformers' BART, Whisper, wav2vec2 layers), and
-    for an activation function attribute any Dropout(p > 0) in its module."""
+    them, known risky patterns are left alone: in nn.Sequential, Dropout(p > 0) or an in-place module
+    right after it; a module that applies `activation_dropout` to it (transformers' BART- and
+    wav2vec2-style layers) or holds a Dropout named for it (timm's Mlp `drop1`); and for an activation
+    function attribute any Dropout(p > 0) in its module."""
     if mode not in ("bits", "precision_bit"):
         raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")

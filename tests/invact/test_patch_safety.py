@@ -169,3 +169,30 @@ def test_transformers_models_with_dropout_never_gain_memory(case, measured):
         assert (after < before) == bool(replaced)
     out = model(**inputs)
     out.last_hidden_state.sum().backward()
+
+
+def test_a_residual_dropout_registered_after_the_activation_is_not_taken_for_one_on_it():
+    # GPT-2's MLP registers c_fc, c_proj, act, dropout, and calls dropout after c_proj: c_proj saves the
+    # activation's output, so the static rules must still patch it.
+    model = _hf("gpt2", n_embd=64, n_layer=2, n_head=4)
+    ids = {"input_ids": torch.randint(0, 256, (1, 32))}
+    before = _saved(model, **ids)
+    assert len(invact.patch(model)) == 2
+    assert _saved(model, **ids) < before
+
+
+def test_timm_style_mlp_with_drop1_is_left_alone_statically():
+    class Mlp(nn.Module):  # timm.layers.Mlp's layout: fc1, act, drop1, norm, fc2, drop2
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.drop1 = nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Dropout(0.1)
+            self.norm, self.fc2, self.drop2 = nn.Identity(), nn.Linear(HIDDEN, WIDTH), nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
+
+    model = Mlp()
+    (d,) = invact.plan(model)
+    assert not d.replace and "drop1" in d.reason and d.reason.endswith(RISK_HINT)
+    (d,) = invact.plan(model, example_inputs=X)  # measured: the same decision
+    assert not d.replace and d.saved_bytes == -(N // 8)
