@@ -7,7 +7,10 @@ Models (transformers configs, random init, nothing downloaded), on data every ma
 - `vit`: a ViT-style classifier (GELU) on scikit-learn's bundled 8x8 digits.
 Variants, with the same initial weights and the same batches for a given seed: `torch`; `bits`
 (invact.patch, the default family); `precision_bit`; `fewbit1` and `fewbit4` (benchmarks/fewbit.py, a
-baseline). Each run logs the training loss and, every --eval-every steps, the validation loss.
+baseline); and `perturbed`, a control: torch with a relative noise of one rounding (the dtype's eps)
+on the activation's gradient, which shows how far a negligible change moves a model's curves.
+Each run logs the training loss and, every --eval-every steps, the validation loss (LMs:
+--val-batches random windows of the held-out bytes; digits: all 297 held-out images).
 
 The statistic, per model, dtype, variant and logged step: the mean over seeds of the paired
 difference to torch, in units of the spread (standard deviation) of torch's own loss across seeds.
@@ -34,8 +37,36 @@ import invact
 
 from timing import device_name, write_result
 
+# The control: torch's activation with its incoming gradient scaled by (1 + eps N(0, 1)), eps the
+# machine epsilon of the gradient's dtype: one rounding's size. Where a model's training is chaotic,
+# even this moves a seed's curve; InvAct's differences are then to be read against the control's.
+
+
+class _Perturbed(nn.Module):
+    def __init__(self, act: nn.Module, seed: int):
+        super().__init__()
+        self.act, self.gen = act, torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        y = self.act(x)
+        if y.requires_grad:
+            noise = torch.randn(y.shape, generator=self.gen)
+            y.register_hook(lambda g: (g.float() * (1 + torch.finfo(g.dtype).eps * noise)).to(g.dtype))
+        return y
+
+
+def perturb(model: nn.Module) -> list[str]:
+    names = [d.name for d in invact.plan(model) if d.replace]
+    for i, name in enumerate(names):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, _Perturbed(getattr(parent, attr), seed=i))
+    return names
+
+
 VARIANTS: dict[str, Callable[[nn.Module], object]] = {
     "torch": lambda m: None,
+    "perturbed": perturb,
     "bits": lambda m: invact.patch(m, mode="bits"),
     "precision_bit": lambda m: invact.patch(m, mode="precision_bit"),
     "fewbit1": lambda m: patch_fewbit(m, 1),
@@ -70,6 +101,9 @@ class ByteLM:
         ids = torch.stack([data[s : s + self.seq] for s in start.tolist()])
         return {"input_ids": ids, "labels": ids}
 
+    def validation(self, count: int, size: int, gen: torch.Generator) -> list[dict]:
+        return [self.batch("val", size, gen) for _ in range(count)]
+
 
 class Digits:
     """scikit-learn's 1797 8x8 digits, pixels scaled to [0, 1]; the last 297 are validation."""
@@ -83,9 +117,12 @@ class Digits:
         self.train, self.val = (x[:1500], y[:1500]), (x[1500:], y[1500:])
 
     def batch(self, split: str, size: int, gen: torch.Generator) -> dict:
-        x, y = self.train if split == "train" else self.val
+        x, y = self.train
         idx = torch.randint(0, len(y), (size,), generator=gen)
         return {"pixel_values": x[idx], "labels": y[idx]}
+
+    def validation(self, count: int, size: int, gen: torch.Generator) -> list[dict]:
+        return [{"pixel_values": self.val[0], "labels": self.val[1]}]  # all 297, the same for every run
 
 
 def build(model: str, small: bool) -> nn.Module:
@@ -128,7 +165,7 @@ def run(model_name: str, variant: str, seed: int, dtype: str, data, args) -> dic
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(seed)
     val_gen = torch.Generator().manual_seed(10_000 + seed)
-    val_batches = [data.batch("val", args.batch, val_gen) for _ in range(args.val_batches)]
+    val_batches = data.validation(args.val_batches, args.batch, val_gen)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     train, val = [], []
     for step in range(1, args.steps + 1):
