@@ -299,6 +299,10 @@ class _Call:
     index: int
 
 
+def _object_key(name: str, obj) -> object:
+    return id(obj) if isinstance(obj, nn.Module) else name
+
+
 def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode: str) -> list[Decision]:
     """The decisions to replace, re-decided by one training-mode forward under saved-tensor hooks.
 
@@ -309,11 +313,15 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
     todo = {d.name: d for d in decisions if d.replace and not d.reason.startswith("already InvAct")}
     if not todo:
         return decisions
-    objects = {name: obj for name, _, obj, _, _ in _candidates(model) if name in todo}
-    factories = {name: factory for name, _, _, factory, _ in _candidates(model) if name in todo}
-    key_of: dict[int, str] = {}  # id(object) -> first name; function attributes are keyed by name
+    objects, activation = {}, {}  # name -> the object called, and the registry name it computes
+    for name, _, obj, factory, _ in _candidates(model):
+        if name in todo:
+            objects[name], activation[name] = obj, factory(obj, mode).activation
+    # A module is one object wherever it is shared; a function attribute (F.gelu is one object for every
+    # layer) is one per name. Each object's calls are recorded under its first name.
+    key_of: dict[object, str] = {}
     for name, obj in objects.items():
-        key_of.setdefault(id(obj) if isinstance(obj, nn.Module) else id(name), name)
+        key_of.setdefault(_object_key(name, obj), name)
     calls: list[_Call] = []
     stack: list[int] = []
     sizes: dict[int, int] = {}
@@ -340,7 +348,7 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
     hooks, restore = [], []
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
-            if key_of[id(obj)] == name:
+            if key_of[_object_key(name, obj)] == name:
                 hooks.append(obj.register_forward_pre_hook(lambda m, a, key=name: enter(key)))
                 hooks.append(obj.register_forward_hook(lambda m, a, out: leave(out)))
         else:  # a function attribute: a spy that records its calls, removed afterwards
@@ -376,6 +384,10 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
     net: dict[str, int] = {}
     called: set[str] = set()
     modified: dict[str, str] = {}
+    only_by: dict[int, int] = {}  # call index -> bytes of the storages that call alone saved
+    for ptr, who in savers.items():
+        if len(who) == 1:
+            only_by[next(iter(who))] = only_by.get(next(iter(who)), 0) + sizes[ptr]
     for call in calls:
         y = call.output
         called.add(call.key)
@@ -383,10 +395,10 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
             continue  # no graph through it: neither torch nor InvAct saves anything
         if y._version != call.version:
             modified[call.key] = "an in-place op modifies its output later in the forward"
-        freed = sum(sizes[p] for p, who in savers.items() if who == {call.index})
+        freed = only_by.get(call.index, 0)
         ptr = y.untyped_storage().data_ptr()
         kept = 0 if savers.get(ptr, set()) - {call.index} else y.untyped_storage().nbytes()
-        act = ACTIVATIONS[factories[call.key](objects[call.key], mode).activation]
+        act = ACTIVATIONS[activation[call.key]]
         no_bits = act.monotone or (mode == "precision_bit" and y.dtype != torch.float64)
         net[call.key] = net.get(call.key, 0) + freed - kept - (0 if no_bits else (y.numel() + 7) // 8)
     out_decisions = []
@@ -394,8 +406,7 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
         if d.name not in todo:
             out_decisions.append(d)
             continue
-        obj = objects[d.name]
-        key = key_of[id(obj) if isinstance(obj, nn.Module) else id(d.name)]
+        key = key_of[_object_key(d.name, objects[d.name])]
         saved = net.get(key)
         if key not in called:
             d = dataclasses.replace(

@@ -196,3 +196,15 @@ def test_timm_style_mlp_with_drop1_is_left_alone_statically():
     assert not d.replace and "drop1" in d.reason and d.reason.endswith(RISK_HINT)
     (d,) = invact.plan(model, example_inputs=X)  # measured: the same decision
     assert not d.replace and d.saved_bytes == -(N // 8)
+
+
+def test_measured_function_attributes_in_nested_layers():
+    # Function attributes are named "<module path>.<attribute>": each layer's F.gelu measured on its own.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(WIDTH, 4, HIDDEN, dropout=0.0, activation="gelu", batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    x = torch.randn(2, 16, WIDTH)
+    decisions = invact.plan(model, example_inputs=x)
+    assert [d.name for d in decisions] == ["layers.0.activation", "layers.1.activation"]
+    n = 2 * 16 * HIDDEN
+    assert all(d.replace and d.saved_bytes == 4 * n - n // 8 for d in decisions)
