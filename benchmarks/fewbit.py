@@ -13,13 +13,12 @@ from __future__ import annotations
 import functools
 
 import torch
+from swap import replace_activations
 from torch import nn
 
-import invact
 from fitting.activations import get_activation
 from fitting.quantize import l2_optimal
 from invact.activations import ACTIVATIONS
-from invact.patch import REPLACEABLE
 
 # DP cells of the quantizer: fitting/quantize.py measures 1000 cells within 2.5% of the continuous
 # optimum's L2 at k = 8 (within 0.3% at 4000), far below the k-bit error itself at k <= 4.
@@ -67,15 +66,5 @@ class FewBitActivation(nn.Module):
 
 
 def patch_fewbit(model: nn.Module, bits: int) -> list[str]:
-    """Replace, in place, every activation invact.patch would replace by its FewBit k-bit baseline."""
-    replaced = []
-    for d in invact.plan(model):
-        if not d.replace or d.cls not in REPLACEABLE:  # modules only (the models here hold no functions)
-            continue
-        parent_name, _, attr = d.name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, attr)
-        act = REPLACEABLE[d.cls](old, "bits").activation  # the function the module computes
-        setattr(parent, attr, FewBitActivation(act, bits))
-        replaced.append(d.name)
-    return replaced
+    """Replace, in place, every activation module invact.patch would replace by its k-bit baseline."""
+    return replace_activations(model, lambda old, act: FewBitActivation(act, bits))

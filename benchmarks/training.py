@@ -6,17 +6,19 @@ Models (transformers configs, random init, nothing downloaded), on data every ma
 - `llama`: a Llama-style byte-level LM (SwiGLU) on the same text;
 - `vit`: a ViT-style classifier (GELU) on scikit-learn's bundled 8x8 digits.
 Variants, with the same initial weights and the same batches for a given seed: `torch`; `bits`
-(invact.patch, the default family); `precision_bit`; `fewbit1` and `fewbit4` (benchmarks/fewbit.py, a
-baseline); and `perturbed`, a control: torch with a relative noise of one rounding (the dtype's eps)
-on the activation's gradient, which shows how far a negligible change moves a model's curves.
-Each run logs the training loss and, every --eval-every steps, the validation loss (LMs:
---val-batches random windows of the held-out bytes; digits: all 297 held-out images).
+(invact.patch, the default family); `paper` (InvAct with the paper's formulas, benchmarks/family.py);
+`precision_bit`; `fewbit1` and `fewbit4` (benchmarks/fewbit.py, a baseline); and `perturbed`, a
+control: torch with a relative noise of one rounding (the dtype's eps) on the activation's gradient,
+which shows how far a negligible change moves a model's curves. One model (--trainer, default gpt2)
+is also trained through transformers.Trainer, torch against invact.patch: the drop-in path.
+Each run logs the training loss and, every --eval-every steps, the validation loss on one fixed
+validation set (LMs: --val-batches windows of the held-out bytes; digits: all 297 held-out images).
 
 The statistic, per model, dtype, variant and logged step: the mean over seeds of the paired
 difference to torch, in units of the spread (standard deviation) of torch's own loss across seeds.
 |that| <= 1 means the variant's curve stays within torch's seed spread there. Writes
-benchmarks/results/training_<device>.json, prints a markdown summary and (with matplotlib) plots the
-validation curves to benchmarks/results/training_<model>.png.
+benchmarks/results/training_<device>.json, prints a markdown summary and (with matplotlib) plots
+each model to benchmarks/results/training_<model>.png.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from family import patch_family
 from fewbit import patch_fewbit
+from swap import replace_activations
 from torch import nn
 
 import invact
@@ -56,18 +60,15 @@ class _Perturbed(nn.Module):
 
 
 def perturb(model: nn.Module) -> list[str]:
-    names = [d.name for d in invact.plan(model) if d.replace]
-    for i, name in enumerate(names):
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, _Perturbed(getattr(parent, attr), seed=i))
-    return names
+    seeds = iter(range(1 << 30))
+    return replace_activations(model, lambda old, act: _Perturbed(old, seed=next(seeds)))
 
 
 VARIANTS: dict[str, Callable[[nn.Module], object]] = {
     "torch": lambda m: None,
     "perturbed": perturb,
     "bits": lambda m: invact.patch(m, mode="bits"),
+    "paper": lambda m: patch_family(m, "paper"),
     "precision_bit": lambda m: invact.patch(m, mode="precision_bit"),
     "fewbit1": lambda m: patch_fewbit(m, 1),
     "fewbit4": lambda m: patch_fewbit(m, 4),
@@ -154,6 +155,24 @@ def build(model: str, small: bool) -> nn.Module:
 
 
 MODELS = ("gpt2", "llama", "vit")
+TRAINER_VARIANTS = ("torch", "bits")  # the drop-in path: Trainer with and without invact.patch
+# (batch, learning rate) per model. The ViT on digits at batch 16 and lr 1e-3 trained chaotically: the
+# control's one-rounding perturbation moved its mean validation curve by up to 0.44 (fp32) and 1.66
+# (bf16) seed spreads over 4 seeds x 200 steps, so any change at all looked large there. At batch 32
+# and lr 3e-4 the control moved it by 1.2e-5 spreads (4 seeds, fp32; batch 64 at 5e-4: 8.9e-5), so a
+# difference InvAct makes would show.
+HYPER = {"gpt2": (16, 1e-3), "llama": (16, 1e-3), "vit": (32, 3e-4)}
+_BATCH_HELP = ", ".join(f"{m} {b}" for m, (b, _) in HYPER.items())
+_LR_HELP = ", ".join(f"{m} {lr:g}" for m, (_, lr) in HYPER.items())
+
+
+def hyper(model: str, args) -> tuple[int, float]:
+    """(batch, lr): --batch and --lr where given, else the model's HYPER entry."""
+    batch, lr = HYPER[model]
+    return args.batch or batch, args.lr or lr
+
+
+VAL_SEED = 10_000  # draws the validation windows: the same for every run, so the spread is the seeds'
 
 
 def run(model_name: str, variant: str, seed: int, dtype: str, data, args) -> dict:
@@ -162,15 +181,16 @@ def run(model_name: str, variant: str, seed: int, dtype: str, data, args) -> dic
     model = build(model_name, args.small)
     VARIANTS[variant](model)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    batch, lr = hyper(model_name, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    val_gen = torch.Generator().manual_seed(10_000 + seed)
-    val_batches = data.validation(args.val_batches, args.batch, val_gen)
+    val_gen = torch.Generator().manual_seed(VAL_SEED)  # one validation set for every seed
+    val_batches = data.validation(args.val_batches, batch, val_gen)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     train, val = [], []
     for step in range(1, args.steps + 1):
         with autocast:
-            loss = model(**data.batch("train", args.batch, gen)).loss
+            loss = model(**data.batch("train", batch, gen)).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -183,27 +203,79 @@ def run(model_name: str, variant: str, seed: int, dtype: str, data, args) -> dic
     return {"train": train, "val": val}
 
 
-def summarize(runs: dict, variants: list[str]) -> list[dict]:
-    """Per model, dtype and variant: the largest |mean paired difference to torch| / torch's seed spread
-    over the logged validation steps, and the final mean validation loss."""
+class _Examples(torch.utils.data.Dataset):
+    """Batches as a map-style dataset of single examples, for transformers.Trainer."""
+
+    def __init__(self, batches: list[dict]):
+        self.items = [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["labels"]))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def run_trainer(model_name: str, variant: str, seed: int, dtype: str, data, args) -> dict:
+    """The same model and variant trained by transformers.Trainer, the drop-in path end to end: the
+    training examples are fixed (drawn once, for every seed), Trainer shuffles them with data_seed =
+    seed, and every other setting is Trainer's default (linear decay, gradient clipping at 1) but the
+    learning rate and bf16 (Trainer's CPU autocast). Logs the loss of every step and the validation
+    loss every --eval-every steps."""
+    import tempfile
+
+    import transformers
+
+    examples = torch.Generator().manual_seed(0)
+    batch, lr = hyper(model_name, args)
+    train = _Examples([data.batch("train", batch, examples) for _ in range(args.steps)])
+    val = _Examples(data.validation(args.val_batches, batch, torch.Generator().manual_seed(VAL_SEED)))
+    torch.manual_seed(seed)
+    model = build(model_name, args.small)
+    VARIANTS[variant](model)
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = transformers.TrainingArguments(
+            output_dir=tmp, use_cpu=True, bf16=dtype == "bf16", seed=seed, data_seed=seed,
+            per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+            max_steps=args.steps, learning_rate=lr, logging_steps=1, eval_strategy="steps",
+            eval_steps=args.eval_every, save_strategy="no", report_to="none", disable_tqdm=True,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=val)
+        trainer.remove_callback(transformers.PrinterCallback)  # the log of every step, printed; we keep it
+        trainer.train()
+    history = trainer.state.log_history
+    return {
+        "train": [h["loss"] for h in history if "loss" in h],
+        "val": [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h],
+    }
+
+
+def paired(by_variant: dict, variant: str) -> dict:
+    """At each logged validation step: each seed's difference to torch's run of the same seed, their
+    mean, torch's spread across seeds (sample standard deviation) and |mean| / spread, the statistic."""
+    base, runs_v = by_variant["torch"], by_variant[variant]  # seed -> run
+    seeds = sorted(base)
+    steps = [s for s, _ in base[seeds[0]]["val"]]
+    diffs = [[runs_v[s]["val"][i][1] - base[s]["val"][i][1] for s in seeds] for i in range(len(steps))]
+    spread = [statistics.stdev(base[s]["val"][i][1] for s in seeds) for i in range(len(steps))]
+    mean = [statistics.fmean(d) for d in diffs]
+    pairs = zip(mean, spread, strict=True)
+    ratio = [abs(m) / sd if sd > 0 else float("inf") if m else 0.0 for m, sd in pairs]
+    return {"steps": steps, "diffs": diffs, "mean": mean, "spread": spread, "ratio": ratio}
+
+
+def summarize(runs: dict) -> list[dict]:
+    """Per model, dtype and variant: the largest statistic over the logged validation steps (and where),
+    and the final validation loss, mean over seeds."""
     rows = []
     for (model, dtype), by_variant in runs.items():
-        base = by_variant["torch"]  # seed -> run
-        seeds = sorted(base)
-        steps = [s for s, _ in base[seeds[0]]["val"]]
-        torch_at = [[base[s]["val"][i][1] for s in seeds] for i in range(len(steps))]
-        spread = [statistics.stdev(v) if len(v) > 1 else float("nan") for v in torch_at]
-        for variant in variants:
-            runs_v = by_variant[variant]
-            worst, worst_step = 0.0, steps[0]
-            for i, step in enumerate(steps):
-                diff = statistics.fmean(runs_v[s]["val"][i][1] - base[s]["val"][i][1] for s in seeds)
-                ratio = abs(diff) / spread[i] if spread[i] > 0 else float("inf") if diff else 0.0
-                if ratio > worst:
-                    worst, worst_step = ratio, step
-            final = statistics.fmean(runs_v[s]["val"][-1][1] for s in seeds)
+        for variant, runs_v in by_variant.items():
+            p = paired(by_variant, variant)
+            worst = max(range(len(p["steps"])), key=p["ratio"].__getitem__)
+            final = statistics.fmean(run["val"][-1][1] for run in runs_v.values())
             rows.append({"model": model, "dtype": dtype, "variant": variant, "final_val_loss": final,
-                         "max_diff_over_spread": worst, "at_step": worst_step})  # fmt: skip
+                         "max_diff_over_spread": p["ratio"][worst],
+                         "at_step": p["steps"][worst]})  # fmt: skip
     return rows
 
 
@@ -217,7 +289,66 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def figure(result: dict, model: str):
+    """A matplotlib figure for one model: per dtype (columns), the validation loss (mean and min-max band
+    over seeds) of each variant above, and below each seed's difference to torch (thin) with their mean
+    (thick) against torch's seed spread (grey band, +-1 standard deviation)."""
+    import matplotlib.pyplot as plt
+
+    dtypes = [key.rsplit("/", 1)[1] for key in result["runs"] if key.rsplit("/", 1)[0] == model]
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(6.5 * len(dtypes), 8), squeeze=False, sharex=True)
+    for col, dtype in enumerate(dtypes):
+        by_variant = result["runs"][f"{model}/{dtype}"]
+        top, bottom = axes[0][col], axes[1][col]
+        for variant, seeds in by_variant.items():
+            p = paired(by_variant, variant)
+            columns = list(zip(*[[v for _, v in run["val"]] for run in seeds.values()], strict=True))
+            (line,) = top.plot(p["steps"], [statistics.fmean(c) for c in columns], label=variant)
+            color = line.get_color()
+            top.fill_between(p["steps"], [min(c) for c in columns], [max(c) for c in columns], color=color,
+                             alpha=0.15)  # fmt: skip
+            if variant == "torch":
+                bottom.fill_between(p["steps"], [-s for s in p["spread"]], p["spread"], color="0.85",
+                                    label="torch's seed spread (1 sd)")  # fmt: skip
+                continue
+            for per_seed in zip(*p["diffs"], strict=True):
+                bottom.plot(p["steps"], per_seed, color=color, alpha=0.25, linewidth=0.8)
+            bottom.plot(p["steps"], p["mean"], color=color, linewidth=2, label=f"{variant} (mean)")
+        top.set(title=f"{model}, {dtype}: validation loss (mean, min-max over seeds)", ylabel="loss")
+        bottom.set(title="difference to torch, per seed (thin) and mean (thick)", xlabel="step",
+                   ylabel="loss - torch's loss, same seed")  # fmt: skip
+        top.legend(fontsize=8)
+        bottom.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def statistic_figure(result: dict):
+    """The statistic |mean paired difference to torch| / torch's seed spread at every logged step, one
+    panel per model and dtype, one line per variant; the dashed line at 1 is the seed spread."""
+    import matplotlib.pyplot as plt
+
+    keys = list(result["runs"])
+    cols = 2
+    rows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(13, 3.2 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        by_variant = result["runs"][key]
+        for i, variant in enumerate(by_variant):
+            if variant != "torch":
+                p = paired(by_variant, variant)
+                ax.plot(p["steps"], p["ratio"], marker=".", label=variant, color=f"C{i}")
+        ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+        ax.set(title=key, xlabel="step", ylabel="|mean diff| / spread", yscale="log")
+        ax.legend(fontsize=7, ncol=2)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
 def plot(result: dict, out_dir: Path) -> list[Path]:
+    """figure() of each model, saved as out_dir/training_<model>.png (nothing without matplotlib)."""
     try:
         import matplotlib
 
@@ -226,31 +357,17 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
     except ImportError:
         return []
     paths = []
-    for model in result["settings"]["models"]:
-        dtypes = result["settings"]["dtypes"]
-        fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
-        for ax, dtype in zip(axes[0], dtypes, strict=True):
-            for variant, seeds in result["runs"][f"{model}/{dtype}"].items():
-                curves = [[v for _, v in run["val"]] for run in seeds.values()]
-                steps = [s for s, _ in next(iter(seeds.values()))["val"]]
-                mean = [statistics.fmean(c) for c in zip(*curves, strict=True)]
-                lo = [min(c) for c in zip(*curves, strict=True)]
-                hi = [max(c) for c in zip(*curves, strict=True)]
-                (line,) = ax.plot(steps, mean, label=variant)
-                ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
-            ax.set(title=f"{model}, {dtype}: validation loss (mean, min-max over seeds)", xlabel="step",
-                   ylabel="loss")  # fmt: skip
-            ax.legend()
-        path = out_dir / f"training_{model}.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+    for model in dict.fromkeys(key.rsplit("/", 1)[0] for key in result["runs"]):
+        fig = figure(result, model)
+        path = out_dir / f"training_{model.replace('+', '_').lower()}.png"
+        fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
@@ -259,48 +376,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     parser.add_argument("--eval-every", type=int, default=20, help="validation every N steps (default 20)")
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches (default 4)")
-    parser.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
+    parser.add_argument("--batch", type=int, help=f"batch size (default per model: {_BATCH_HELP})")
     parser.add_argument("--seq", type=int, default=64, help="LM context in bytes (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--lr", type=float, help=f"AdamW learning rate (default per model: {_LR_HELP})")
+    parser.add_argument("--trainer", choices=[*MODELS, "none"], default="gpt2",
+                        help="also train this model through transformers.Trainer, with the variants "
+                        f"among {', '.join(TRAINER_VARIANTS)} (default gpt2; none: skip)")  # fmt: skip
     parser.add_argument("--small", action="store_true", help="a smoke run: tiny models, 2 seeds, 4 steps")
     parser.add_argument("--out", type=Path, help="JSON path (default results/training_<device>.json)")
     args = parser.parse_args(argv)
     if args.small:
         args.seeds, args.steps, args.eval_every, args.val_batches, args.batch, args.seq = 2, 4, 2, 1, 4, 16
     for name in ("seeds", "steps", "eval_every", "val_batches", "batch", "seq"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.seeds < 2:
         parser.error("--seeds must be at least 2: the statistic is the spread across seeds")
     variants = ["torch"] + [v for v in args.variants if v != "torch"]
-    lm = (
-        ByteLM(200_000 if args.small else 2_000_000, args.seq)
-        if {"gpt2", "llama"} & set(args.models)
-        else None
-    )
-    digits = Digits() if "vit" in args.models else None
+    trainer_variants = [v for v in variants if v in TRAINER_VARIANTS]
+    lm_models = {"gpt2", "llama"} & {*args.models, args.trainer}
+    lm = ByteLM(200_000 if args.small else 2_000_000, args.seq) if lm_models else None
+    digits = Digits() if "vit" in {*args.models, args.trainer} else None
+    jobs = [(model, run, variants) for model in args.models]
+    if args.trainer != "none":
+        jobs.append((args.trainer, run_trainer, trainer_variants))
     runs: dict = {}
     t0 = time.perf_counter()
-    total = len(args.models) * len(args.dtypes) * len(variants) * args.seeds
+    total = sum(len(args.dtypes) * len(vs) * args.seeds for _, _, vs in jobs)
     done = 0
-    for model in args.models:
+    for model, runner, job_variants in jobs:
+        key = model if runner is run else f"{model}+Trainer"
         for dtype in args.dtypes:
-            by_variant = runs.setdefault((model, dtype), {})
-            for variant in variants:
+            by_variant = runs.setdefault((key, dtype), {})
+            for variant in job_variants:
                 for seed in range(args.seeds):
                     data = digits if model == "vit" else lm
-                    by_variant.setdefault(variant, {})[seed] = run(model, variant, seed, dtype, data, args)
+                    by_variant.setdefault(variant, {})[seed] = runner(model, variant, seed, dtype, data, args)
                     done += 1
-                    print(f"[{done}/{total}] {model} {dtype} {variant} seed {seed}: final val "
+                    print(f"[{done}/{total}] {key} {dtype} {variant} seed {seed}: final val "
                           f"{by_variant[variant][seed]['val'][-1][1]:.4f} ({time.perf_counter() - t0:.0f} s)",
                           flush=True)  # fmt: skip
-    rows = summarize(runs, variants)
+    rows = summarize(runs)
+    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"variants": variants}
+    settings["batch_lr"] = {m: hyper(m, args) for m in HYPER if m in {*args.models, args.trainer}}
     print("\n" + markdown(rows))
     result = {
         "device": device_name("cpu"),
         "torch": torch.__version__,
         "wall_s": time.perf_counter() - t0,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"variants": variants},
+        "settings": settings,
         "summary": rows,
         "runs": {
             f"{m}/{d}": {v: {str(s): r for s, r in seeds.items()} for v, seeds in by.items()}

@@ -34,9 +34,10 @@ def test_small_run_writes_curves_and_the_statistic(tmp_path):
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert set(data["runs"]) == {"gpt2/fp32", "vit/fp32"}
-    for by_variant in data["runs"].values():
-        assert set(by_variant) == {"torch", "bits", "fewbit1"}
+    # --trainer defaults to gpt2: it also trains through transformers.Trainer, torch against bits
+    assert set(data["runs"]) == {"gpt2/fp32", "vit/fp32", "gpt2+Trainer/fp32"}
+    for key, by_variant in data["runs"].items():
+        assert set(by_variant) == ({"torch", "bits"} if "Trainer" in key else {"torch", "bits", "fewbit1"})
         for seeds in by_variant.values():
             assert set(seeds) == {"0", "1"}
             for run in seeds.values():
@@ -44,7 +45,16 @@ def test_small_run_writes_curves_and_the_statistic(tmp_path):
                 assert [s for s, _ in run["val"]] == [2, 4]
     torch_rows = [r for r in data["summary"] if r["variant"] == "torch"]
     assert torch_rows and all(r["max_diff_over_spread"] == 0 for r in torch_rows)  # torch against itself
-    assert (tmp_path / "training_gpt2.png").exists()
+    assert {p.name for p in tmp_path.glob("*.png")} == {"training_gpt2.png", "training_vit.png",
+                                                        "training_gpt2_trainer.png"}  # fmt: skip
+    # The statistic, recomputed from the curves: |mean over seeds of (variant - torch)| / torch's stdev
+    fewbit = next(r for r in data["summary"] if r["variant"] == "fewbit1" and r["model"] == "vit")
+    runs = data["runs"]["vit/fp32"]
+    at = [s for s, _ in runs["torch"]["0"]["val"]].index(fewbit["at_step"])
+    torch_v = [runs["torch"][s]["val"][at][1] for s in ("0", "1")]
+    diff = sum(runs["fewbit1"][s]["val"][at][1] - runs["torch"][s]["val"][at][1] for s in ("0", "1")) / 2
+    spread = abs(torch_v[0] - torch_v[1]) / math.sqrt(2)  # the sample stdev of two values
+    assert fewbit["max_diff_over_spread"] == pytest.approx(abs(diff) / spread, rel=1e-9)
 
 
 def test_too_few_seeds_is_refused():
