@@ -37,7 +37,8 @@ FUNCTIONS: dict[str, Callable[..., sympy.Basic]] = {
     "Piecewise": sympy.Piecewise,
 }
 ALLOWED_FUNCTIONS = frozenset(FUNCTIONS)
-_ONE_ARGUMENT = frozenset({"sqrt", "exp", "log", "Abs"})  # log(x, base) is refused: printers take one
+# Every other function takes one argument (log(x, base) is refused: printers take one).
+_MANY_ARGUMENTS = frozenset({"Max", "Min", "Piecewise"})
 
 # The longest committed branch expression is 2,189 characters (coeffs/silu/floor.json, right): ten
 # times that leaves room for larger families and keeps the parse and the walk well under a second.
@@ -110,11 +111,18 @@ def real_symbols(names: list[str] | tuple[str, ...]) -> dict[str, sympy.Symbol]:
     return {name: sympy.Symbol(name, real=True) for name in names}
 
 
-def parse(text: str, symbols: Mapping[str, sympy.Basic], where: str) -> sympy.Expr:
-    """Parse `text` into a sympy expression in `symbols` (name -> symbol) and FUNCTIONS only.
+def parse(
+    text: str,
+    symbols: Mapping[str, sympy.Basic],
+    where: str,
+    functions: Mapping[str, Callable[..., sympy.Basic]] = FUNCTIONS,
+) -> sympy.Expr:
+    """Parse `text` into a sympy expression in `symbols` (name -> symbol or constant) and `functions`
+    (name -> sympy function; default FUNCTIONS, what coefficient files may use) only. Every function
+    but Max, Min and Piecewise takes exactly one argument.
 
     Raises ExpressionError("<where>: <what was refused>"), one line, for anything else."""
-    return _Reader(text, symbols, where).read()
+    return _Reader(text, symbols, where, functions).read()
 
 
 def _one_line(message: str) -> str:
@@ -126,10 +134,11 @@ def _snippet(text: str, limit: int = 40) -> str:
 
 
 class _Reader:
-    def __init__(self, text: str, symbols: Mapping[str, sympy.Basic], where: str) -> None:
+    def __init__(self, text: str, symbols: Mapping[str, sympy.Basic], where: str, functions) -> None:
         self.text = text
         self.symbols = dict(symbols)
         self.where = where
+        self.functions = dict(functions)
 
     def fail(self, problem: str, node: ast.AST | None = None) -> ExpressionError:
         if node is not None and hasattr(node, "col_offset"):
@@ -164,7 +173,8 @@ class _Reader:
             raise self.fail(f"expression nests too deeply (more than {MAX_DEPTH} levels)") from None
         if not isinstance(expr, sympy.Expr):
             raise self.fail("the whole expression must be a number-valued expression, not a condition")
-        functions = {type(f).__name__ for f in expr.atoms(sympy.Function)} - ALLOWED_FUNCTIONS
+        allowed = {getattr(f, "__name__", name) for name, f in self.functions.items()} | set(self.functions)
+        functions = {type(f).__name__ for f in expr.atoms(sympy.Function)} - allowed
         if functions:  # sympy's evaluation introduced one (not expected; checked so printers never see it)
             raise self.fail(f"evaluates to functions {sorted(functions)}, which are not allowed")
         return expr
@@ -221,7 +231,7 @@ class _Reader:
             return self.symbols[name]
         if name.startswith("__") or name.endswith("__"):
             raise self.fail(f"dunder name {name!r} is not allowed", node)
-        if name in FUNCTIONS:
+        if name in self.functions:
             raise self.fail(f"function {name!r} must be called", node)
         allowed = ", ".join(sorted(self.symbols)) or "none"
         raise self.fail(f"unknown symbol {name!r} (allowed: {allowed})", node)
@@ -230,16 +240,16 @@ class _Reader:
         if not isinstance(node.func, ast.Name):
             raise self.refuse(node.func)
         name = node.func.id
-        if name not in FUNCTIONS:
+        if name not in self.functions:
             if name.startswith("__") or name.endswith("__"):
                 raise self.fail(f"dunder name {name!r} is not allowed", node.func)
-            allowed = ", ".join(sorted(FUNCTIONS))
+            allowed = ", ".join(sorted(self.functions))
             raise self.fail(f"function {name!r} is not allowed (allowed: {allowed})", node.func)
         if node.keywords:
             raise self.fail(f"{name}() takes no keyword arguments", node)
         if any(isinstance(a, ast.Starred) for a in node.args):
             raise self.fail("starred arguments are not allowed", node)
-        if name in _ONE_ARGUMENT and len(node.args) != 1:
+        if name not in _MANY_ARGUMENTS and len(node.args) != 1:
             raise self.fail(f"{name}() takes exactly one argument, got {len(node.args)}", node)
         if not node.args:
             raise self.fail(f"{name}() needs at least one argument", node)
@@ -247,8 +257,8 @@ class _Reader:
             pieces = [
                 self.piece(arg, depth + 1, last=i == len(node.args) - 1) for i, arg in enumerate(node.args)
             ]
-            return self.apply(FUNCTIONS[name], pieces, node)
-        return self.apply(FUNCTIONS[name], [self.expression(arg, depth + 1) for arg in node.args], node)
+            return self.apply(self.functions[name], pieces, node)
+        return self.apply(self.functions[name], [self.expression(arg, depth + 1) for arg in node.args], node)
 
     def piece(self, node: ast.AST, depth: int, last: bool) -> tuple[sympy.Expr, sympy.Basic | bool]:
         if not (isinstance(node, ast.Tuple) and len(node.elts) == 2):

@@ -1,4 +1,5 @@
-"""Activation registry: f, f' in float64, the branch split T = argmin f and y_min = f(T).
+"""Activation registry: f, f' in float64, the branch split T = argmin f and y_min = f(T), for every
+entry of the activation spec (coeffs/activations.json, read by codegen.spec).
 
 Every function here is vectorized over numpy arrays and evaluated in float64. T is never typed in:
 it is the root of f' found by Brent's method to an absolute tolerance of 1e-15. The left branch is
@@ -14,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import sympy
 from scipy import optimize, special
 
+from codegen import spec
+
 Array = np.ndarray
-_SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
-_TANH_GELU_CUBIC = 0.044715  # torch's tanh-GELU constant
-_QUICK_GELU_SCALE = 1.702  # Hugging Face's QuickGELUActivation: x * sigmoid(1.702 x)
 _MONOTONE_CHECK = np.linspace(-20.0, 20.0, 4001)  # where a monotone entry's f' >= 0 is checked
 
 
@@ -38,7 +39,6 @@ class Activation:
     name: str
     f: Callable[[Array], Array]
     df: Callable[[Array], Array]
-    torch_op: str  # the exact torch expression the runtime must reproduce
     # k(y) as a sympy string, with f'(x) - 1 ~ exp(-k(x)) as x -> +inf: the 'floor' family's right branch
     right_decay: str | None = None
     monotone: bool = False  # an increasing f: one branch ("right"), no bit
@@ -81,92 +81,71 @@ def _root_of_derivative(df: Callable[[Array], Array]) -> float:
     return float(optimize.brentq(df, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=200))
 
 
-# --- GELU (erf form): f = x * Phi(x), f' = Phi(x) + x * phi(x) ---------------------------------------
-def _gelu(x: Array) -> Array:
-    return x * special.ndtr(x)
-
-
-def _gelu_df(x: Array) -> Array:
-    return special.ndtr(x) + x * np.exp(-0.5 * x * x) / np.sqrt(2 * np.pi)
-
-
-# --- tanh GELU: f = 0.5 x (1 + tanh u) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3) -------------
-# Written with sigmoid so that 1 + tanh(u) does not cancel for large negative x.
-def _gelu_tanh(x: Array) -> Array:
-    u = _SQRT_2_OVER_PI * (x + _TANH_GELU_CUBIC * x**3)
-    return x * special.expit(2 * u)
-
-
-def _gelu_tanh_df(x: Array) -> Array:
-    u = _SQRT_2_OVER_PI * (x + _TANH_GELU_CUBIC * x**3)
-    du = _SQRT_2_OVER_PI * (1 + 3 * _TANH_GELU_CUBIC * x * x)
-    s = special.expit(2 * u)
-    return s + x * s * special.expit(-2 * u) * 2 * du
-
-
-# --- SiLU: f = x * sigmoid(x), f' = sigmoid(x) * (1 + x * sigmoid(-x)) ----------------------------------
-def _silu(x: Array) -> Array:
-    return x * special.expit(x)
-
-
-def _silu_df(x: Array) -> Array:
-    return special.expit(x) * (1 + x * special.expit(-x))
-
-
-# --- Mish: f = x tanh(softplus(x)), f' = tanh(sp) + x sech^2(sp) sigmoid(x) ---------------------------
-def _mish(x: Array) -> Array:
-    return x * np.tanh(np.logaddexp(0.0, x))
-
-
-def _mish_df(x: Array) -> Array:
-    sp = np.logaddexp(0.0, x)
-    sech2 = 4 * special.expit(-2 * sp) * special.expit(2 * sp)  # 1 - tanh^2 without cancellation
-    return np.tanh(sp) + x * sech2 * special.expit(x)
-
-
-# --- softplus: f = log(1 + e^x), f' = sigmoid(x); monotone, f'(f^-1(y)) = 1 - exp(-y) --------------------
-def _softplus(x: Array) -> Array:
-    return np.logaddexp(0.0, x)
-
-
-def _scaled(base: Callable[[Array], Array], a: float, *, derivative: bool) -> Callable[[Array], Array]:
-    if derivative:
-        return lambda x: base(a * x)
-    return lambda x: base(a * x) / a
-
-
-ACTIVATIONS: dict[str, Activation] = {
-    a.name: a
-    for a in (
-        Activation("gelu", _gelu, _gelu_df, 'torch.nn.functional.gelu(x, approximate="none")', "y**2/2"),
-        Activation(
-            "gelu_tanh",
-            _gelu_tanh,
-            _gelu_tanh_df,
-            'torch.nn.functional.gelu(x, approximate="tanh")',
-            f"{float(2 * _SQRT_2_OVER_PI)!r}*(y + {_TANH_GELU_CUBIC}*y**3)",
-        ),
-        Activation("silu", _silu, _silu_df, "torch.nn.functional.silu(x)", "y"),
-        # 1 - tanh(softplus(x)) ~ 2 exp(-2x), so f' - 1 ~ (4x - 2) exp(-2x)
-        Activation("mish", _mish, _mish_df, "torch.nn.functional.mish(x)", "2*y"),
-        Activation(
-            "softplus",
-            _softplus,
-            special.expit,
-            "torch.nn.functional.softplus(x)",
-            monotone=True,
-            exact_q="1 - exp(-y)",  # e^x = e^y - 1, so sigmoid(x) = (e^y - 1)/e^y
-        ),
-        Activation(
-            "quick_gelu",
-            _scaled(_silu, _QUICK_GELU_SCALE, derivative=False),
-            _scaled(_silu_df, _QUICK_GELU_SCALE, derivative=True),
-            f"x * torch.sigmoid({_QUICK_GELU_SCALE} * x)",
-            f"{_QUICK_GELU_SCALE}*y",  # silu's k(y) = y at a*y
-            derivation=Derivation("silu", _QUICK_GELU_SCALE),
-        ),
-    )
+# Each formula function -> its float64 numpy implementation (sympy.lambdify prints the rest: exp, log,
+# sqrt, tanh, Abs, Max, Min, Piecewise). logaddexp(0, z) is softplus without overflow past z = 709.
+_NUMPY = {
+    "Phi": special.ndtr,
+    "erf": special.erf,
+    "erfc": special.erfc,
+    "log1p": np.log1p,
+    "sigmoid": special.expit,
+    "softplus": lambda z: np.logaddexp(0.0, z),
 }
+
+
+def _float_constants(expr: sympy.Basic) -> sympy.Basic:
+    """expr with the constant factors of each product (terms of each sum) folded into one float64
+    constant, exponents kept exact and sums kept undistributed: 2*sqrt(2)*(x + d x^3)/sqrt(pi) becomes
+    1.5957691216057308*(x + d x^3), one rounding for the constant instead of four, as torch writes it
+    (tests/fitting/test_activations.py holds gelu_tanh's f' to 1.2e-13 relative in its left tail,
+    where the error of the sigmoid's argument is multiplied by the argument, ~700). sympy's evalf does
+    not reach into the arguments of functions it cannot evaluate, like sigmoid."""
+    if expr.is_Number or not expr.args:
+        return expr
+    if expr.is_number:
+        return sympy.Float(float(expr), 17)
+    if expr.is_Pow:
+        return sympy.Pow(_float_constants(expr.base), expr.exp)
+    if expr.is_Add or expr.is_Mul:
+        constants = [a for a in expr.args if a.is_number]
+        rest = [_float_constants(a) for a in expr.args if not a.is_number]
+        if constants:
+            rest.insert(0, sympy.Float(float(expr.func(*constants)), 17))  # 17 digits: prints as the float64
+        return expr.func(*rest, evaluate=False)  # c*(x + d x^3) stays so (sympy would distribute c)
+    return expr.func(*[_float_constants(a) for a in expr.args])
+
+
+def numpy_function(expr, symbol=spec.X) -> Callable[[Array], Array]:
+    """A sympy expression in one symbol as a float64 numpy function (sympy.lambdify prints the code from
+    the parsed expression, which holds only allow-listed functions: no text is evaluated)."""
+    fn = sympy.lambdify(symbol, _float_constants(expr), modules=[_NUMPY, "numpy"])
+
+    def evaluate(x):
+        x = np.asarray(x, dtype=np.float64)
+        out = np.asarray(fn(x), dtype=np.float64)
+        return out if out.shape == x.shape else np.broadcast_to(out, x.shape).copy()  # a constant f'
+
+    return evaluate
+
+
+def _registry(entries: dict[str, spec.Entry]) -> dict[str, Activation]:
+    """name -> Activation: f and f' printed from the spec's formulas (f' from its df, or sympy's
+    derivative of f). A derived entry computes them from its base, f(x) = base(a x) / a and
+    f'(x) = base'(a x), the form its fits are derived in (fitting.families.derive)."""
+    out = {}
+    for name, e in entries.items():
+        f, df, derivation = numpy_function(e.f), numpy_function(e.df), None
+        if e.derivation:
+            derivation = Derivation(*e.derivation)
+            base, a = entries[derivation.base], derivation.scale
+            base_f, base_df = numpy_function(base.f), numpy_function(base.df)
+            f, df = (lambda x, g=base_f, a=a: g(a * x) / a), (lambda x, g=base_df, a=a: g(a * x))
+        out[name] = Activation(name, f, df, e.right_decay, e.monotone, e.exact_q, derivation)
+    return out
+
+
+# Every activation of coeffs/activations.json.
+ACTIVATIONS: dict[str, Activation] = _registry(spec.load())
 
 
 class UnknownActivation(KeyError):

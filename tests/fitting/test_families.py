@@ -91,7 +91,7 @@ def test_floor_needs_the_right_decay():
     from fitting.families.floor import right_form
 
     act = get_activation("silu")
-    bare = Activation("bare", act.f, act.df, "x")
+    bare = Activation("bare", act.f, act.df)  # no right_decay
     with pytest.raises(UnknownFamily, match="needs bare's right_decay"):
         right_form(bare, 1.0)
 

@@ -1,0 +1,91 @@
+"""The activation spec (coeffs/activations.json): what it holds is self-consistent, and a bad spec is
+one clear error."""
+
+import json
+
+import mpmath as mp
+import numpy as np
+import pytest
+import sympy
+
+from codegen import spec
+from fitting.activations import ACTIVATIONS, numpy_function
+
+ENTRIES = spec.load()
+NAMES = sorted(ENTRIES)
+X = np.concatenate([np.linspace(-30, 30, 601), [-0.75, -1.28, 1e-3, -1e-3]])
+# A given df is f' rewritten to avoid cancellation: it must agree with sympy's derivative of f evaluated
+# at 30 digits (mpmath) to the float64 rounding of terms of size ~1 (measured: 2.2e-16 for mish here;
+# sympy's own form, 1 - tanh^2, is off by 2.4e-15 at x = 19 in float64).
+REWRITE_AGREEMENT = 4 * np.finfo(np.float64).eps
+MPMATH = {"sigmoid": lambda z: 1 / (1 + mp.exp(-z)), "softplus": lambda z: mp.log1p(mp.exp(z)),
+          "Phi": mp.ncdf}  # fmt: skip
+
+
+def test_the_registry_is_the_spec():
+    assert sorted(ACTIVATIONS) == NAMES
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if ENTRIES[n].df_given])
+def test_a_given_derivative_is_the_derivative_of_f(name):
+    e = ENTRIES[name]
+    derived = sympy.lambdify(spec.X, sympy.diff(e.f, spec.X), modules=[MPMATH, "mpmath"])
+    with mp.workdps(30):
+        want = np.array([float(derived(mp.mpf(float(x)))) for x in X])
+    assert np.abs(numpy_function(e.df)(X) - want).max() <= REWRITE_AGREEMENT
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if ENTRIES[n].derivation])
+def test_a_derived_entry_is_its_base_scaled(name):
+    e = ENTRIES[name]
+    base, a = e.derivation
+    f = numpy_function(e.f)(X)
+    scaled = numpy_function(ENTRIES[base].f)(a * X) / a
+    assert np.abs(f - scaled).max() <= 4 * np.finfo(np.float64).eps * np.abs(f).max()
+
+
+def _spec(**entry) -> str:
+    return json.dumps({"schema": spec.SCHEMA, "activations": {"act": entry}})
+
+
+GOOD = {"f": "x*sigmoid(x)", "torch": {"function": "silu"}}
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"torch": {"function": "silu"}}, "activation 'act': missing field 'f'"),
+        (GOOD | {"colour": 1}, "unknown field(s) ['colour']"),
+        (GOOD | {"f": "__import__('os').system('true')"}, "activation 'act': f: "),
+        (GOOD | {"f": "x.real"}, "attribute access is not allowed"),
+        (GOOD | {"f": "gamma(x)"}, "function 'gamma' is not allowed"),
+        (GOOD | {"f": "x*y"}, "unknown symbol 'y'"),
+        (GOOD | {"torch": {"function": "eval"}}, "function 'eval' is not one of"),
+        (GOOD | {"torch": {"function": "gelu", "kwargs": {"inplace": True}}}, "takes no keyword 'inplace'"),
+        (GOOD | {"torch": {"function": "gelu", "kwargs": {"approximate": "a b"}}}, "finite number or a name"),
+        (GOOD | {"torch": {"formula": "x", "function": "silu"}}, "expected {\"function\""),
+        (GOOD | {"exact_q": "1 - exp(-y)"}, "exact_q is one formula in y, for a monotone activation only"),
+        (GOOD | {"derivation": {"base": "silu", "scale": -1}}, "derivation must be"),
+        (GOOD | {"derivation": {"base": "nope", "scale": 2}}, "derivation base 'nope' is not in the spec"),
+        (GOOD | {"monotone": "yes"}, "monotone must be true or false"),
+    ],
+)  # fmt: skip
+def test_a_bad_entry_is_one_line_naming_it(entry, message):
+    with pytest.raises(spec.SpecError) as info:
+        spec.loads(_spec(**entry))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not valid JSON"),
+        (json.dumps({"schema": "other", "activations": {}}), 'expected an object with "schema"'),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {}}), "must be a non-empty object"),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {"Bad-Name": GOOD}}), "lower-case Python"),
+    ],
+)  # fmt: skip
+def test_a_bad_file_is_one_line(text, message):
+    with pytest.raises(spec.SpecError) as info:
+        spec.loads(text)
+    assert message in str(info.value)
