@@ -20,7 +20,7 @@ import torch
 from swap import replace_activations
 from torch import nn
 
-from codegen import coeffs_json
+from codegen import coeffs_json, spec
 from codegen.render import COEFFS, render_torch
 from invact import _bits
 from invact.activations import ACTIVATIONS
@@ -34,13 +34,14 @@ def generated(activation: str, family: str) -> ModuleType:
     if not path.exists():
         raise ValueError(f"no coefficient file {path.relative_to(COEFFS.parent)}: fit it with "
                          f"`invact-fit {activation} --family {family}`")  # fmt: skip
-    text = render_torch(coeffs_json.load(path), [(str(path.relative_to(COEFFS.parent)), "not hashed")])
+    source = [(str(path.relative_to(COEFFS.parent)), "not hashed")]
+    text = render_torch(coeffs_json.load(path), source, spec.load()[activation])
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / f"{activation}_{family}.py"
         file.write_text(text)
-        spec = importlib.util.spec_from_file_location(f"_invact_family_{activation}_{family}", file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module_spec = importlib.util.spec_from_file_location(f"_invact_family_{activation}_{family}", file)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
     return module
 
 

@@ -52,6 +52,18 @@ class _ElementwisePrinter(PythonCodePrinter):
     def _print_Abs(self, expr: sympy.Abs) -> str:
         return f"{self.ABS}({self._print(expr.args[0])})"
 
+    # The activation formulas' functions (codegen.functions), by their printed form with {} for the
+    # argument; a function missing here cannot be printed for this backend.
+    FUNCTIONS: dict[str, str] = {}
+
+    def _print_Function(self, expr: sympy.Function) -> str:
+        name = type(expr).__name__
+        if name not in self.FUNCTIONS:
+            raise ValueError(f"{name}() has no {type(self).__name__[:-7]} form")
+        return self.FUNCTIONS[name].format(self._print(expr.args[0]))
+
+    _print_erf = _print_erfc = _print_tanh = _print_log1p = _print_Function
+
     def _fold(self, fn: str, args: tuple[sympy.Expr, ...]) -> str:
         text = self._print(args[0])
         for a in args[1:]:
@@ -73,6 +85,14 @@ class _ElementwisePrinter(PythonCodePrinter):
 
 class TritonPrinter(_ElementwisePrinter):
     SQRT, EXP, LOG, ABS, WHERE = "tl.sqrt", "tl.exp", "tl.log", "tl.abs", "tl.where"
+    # fp32 forms that need no libdevice (the CPU interpreter has none): no tanh, erfc or softplus here
+    # (an activation that uses them gives its Triton forward as a formula without them, spec `triton`).
+    FUNCTIONS = {
+        "erf": "tl.erf({})",
+        "log1p": "_log1p({})",  # a helper printed in the module (codegen.render)
+        "Phi": "(0.5 * (1.0 + tl.erf(0.7071067811865476 * ({}))))",
+        "sigmoid": "(1.0 / (1.0 + tl.exp(-({}))))",
+    }
 
     def _print_Max(self, expr: sympy.Max) -> str:
         return self._fold("tl.maximum", expr.args)
@@ -85,6 +105,15 @@ class TorchPrinter(_ElementwisePrinter):
     """Tensor code: Max/Min with a number become clamp_min/clamp_max (torch.maximum needs tensors)."""
 
     SQRT, EXP, LOG, ABS, WHERE = "torch.sqrt", "torch.exp", "torch.log", "torch.abs", "torch.where"
+    FUNCTIONS = {
+        "erf": "torch.erf({})",
+        "erfc": "torch.erfc({})",
+        "tanh": "torch.tanh({})",
+        "log1p": "torch.log1p({})",
+        "Phi": "torch.special.ndtr({})",
+        "sigmoid": "torch.sigmoid({})",
+        "softplus": "_softplus({})",  # the math function, no threshold: a helper printed in the module
+    }
 
     def _clamp(self, expr: sympy.Expr, tensor_fn: str, clamp_fn: str) -> str:
         numbers = [a for a in expr.args if a.is_number]
@@ -99,6 +128,20 @@ class TorchPrinter(_ElementwisePrinter):
 
     def _print_Min(self, expr: sympy.Min) -> str:
         return self._clamp(expr, "torch.minimum", "clamp_max")
+
+
+class ReferenceTorchPrinter(TorchPrinter):
+    """The float64 reference views (f, f'): a product's constant factor is printed last, so bounded
+    factors meet a huge x first (mish's f' at x = 1e308: x * sigmoid(-2 softplus x) * ... * 4 is 0,
+    where 4 * x * ... overflows to inf * 0 = NaN)."""
+
+    def _print_Mul(self, expr: sympy.Mul) -> str:
+        coeff, rest = expr.as_coeff_Mul()
+        if coeff.is_Number and coeff not in (1, -1) and rest is not sympy.S.One:
+            factor = self._print(coeff)
+            rest_text = self.parenthesize(rest, sympy.printing.precedence.PRECEDENCE["Mul"])
+            return f"{rest_text}*({factor})" if coeff < 0 else f"{rest_text}*{factor}"
+        return super()._print_Mul(expr)
 
 
 class ScalarPrinter(_ElementwisePrinter):
@@ -135,10 +178,13 @@ def _hoist_power_bases(expr: sympy.Expr, symbols, out: list) -> sympy.Expr:
     return expr.replace(is_target, hoist)
 
 
-def function_body(expression: sympy.Expr, printer: _ElementwisePrinter, indent: str = "    ") -> str:
-    """Lines computing `expression` of y: temporaries t0, t1, ... then `return ...`."""
-    if expression.free_symbols - {Y}:
-        raise ValueError(f"free symbols besides y: {sorted(map(str, expression.free_symbols - {Y}))}")
+def function_body(
+    expression: sympy.Expr, printer: _ElementwisePrinter, indent: str = "    ", variable: sympy.Symbol = Y
+) -> str:
+    """Lines computing `expression` of `variable` (y): temporaries t0, t1, ... then `return ...`."""
+    extra = expression.free_symbols - {variable}
+    if extra:
+        raise ValueError(f"free symbols besides {variable}: {sorted(map(str, extra))}")
     symbols = sympy.numbered_symbols("t")
     replacements, (reduced,) = sympy.cse(expression, symbols=symbols)
     steps: list[tuple[sympy.Symbol, sympy.Expr]] = []

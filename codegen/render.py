@@ -19,8 +19,10 @@ from pathlib import Path
 
 import sympy
 
+from codegen import spec
 from codegen.coeffs_json import CoeffFile, loads
-from codegen.printers import ScalarPrinter, TorchPrinter, TritonPrinter, function_body
+from codegen.functions import fold_constants
+from codegen.printers import ReferenceTorchPrinter, ScalarPrinter, TorchPrinter, TritonPrinter, function_body
 
 ROOT = Path(__file__).resolve().parents[1]
 COEFFS = ROOT / "coeffs"
@@ -60,7 +62,58 @@ def _functions(c: CoeffFile, printer, suffix: str, decorator: str = "", annotate
     return "\n\n".join(blocks)
 
 
-def render_torch(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
+_SOFTPLUS_TORCH = '''
+
+def _softplus(z: torch.Tensor) -> torch.Tensor:
+    """log(1 + e^z) for every z (torch's softplus is z past 20), without overflow."""
+    return torch.logaddexp(z, torch.zeros_like(z))
+'''
+_LOG1P_TRITON = '''
+
+@triton.jit
+def _log1p(u):
+    """log(1 + u) without libdevice (absent in the interpreter): log(1 + u) * u / ((1 + u) - 1) corrects
+    the rounding of 1 + u, and is u itself where 1 + u rounds to 1."""
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+'''
+
+
+def _torch_forward(entry: spec.Entry) -> str:
+    """torch_forward(x): what torch computes, to reproduce bitwise."""
+    t = entry.torch
+    if t.function is not None:
+        args = "".join(f", {k}={v!r}" for k, v in t.kwargs)
+        body, what = (
+            f"    return torch.nn.functional.{t.function}(x{args})",
+            f"torch.nn.functional.{t.function}",
+        )
+    else:
+        body, what = (
+            function_body(t.formula, TorchPrinter(), variable=spec.X),
+            "the formula torch's users write",
+        )
+    return f'''def torch_forward(x: torch.Tensor) -> torch.Tensor:
+    """The forward InvAct reproduces bitwise ({what})."""
+{body}'''
+
+
+def _float64_views(entry: spec.Entry) -> str:
+    """f64(x), df64(x): f and f' for the float64 (gradcheck) path, from the spec's formulas."""
+    derived = "sympy's derivative of f" if not entry.df_given else "the spec's stable form"
+    text = f'''def f64(x: torch.Tensor) -> torch.Tensor:
+    """f in float64 (the exact path inverts it)."""
+{function_body(fold_constants(entry.f), ReferenceTorchPrinter(), variable=spec.X)}
+
+
+def df64(x: torch.Tensor) -> torch.Tensor:
+    """f' in float64 ({derived})."""
+{function_body(fold_constants(entry.df), ReferenceTorchPrinter(), variable=spec.X)}
+'''
+    return text + (_SOFTPLUS_TORCH if "_softplus(" in text else "")
+
+
+def render_torch(c: CoeffFile, sources: list[tuple[str, str]], entry: spec.Entry) -> str:
     errors = {name: b.errors for name, b in c.branches.items()}
     floors = {name: b.storage_floor for name, b in c.branches.items()}
     title = f"{c.activation}, family {c.family!r}: q(y) ~ f'(f^-1(y)) {_per_branch(c)}, on tensors."
@@ -87,6 +140,11 @@ ERRORS = {json.dumps(errors, sort_keys=True)}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
 
+
+{_torch_forward(entry)}
+
+
+{_float64_views(entry)}
 
 {_functions(c, TorchPrinter(), "", annotate=True)}'''
 
@@ -131,16 +189,21 @@ from invact._cpu_math import F, exp32, log32  # noqa: F401
 _TRITON_JIT = "@triton.jit\n"
 
 
-def render_triton(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
-    title = f"{c.activation}, family {c.family!r}: q {_per_branch(c)} as Triton device functions"
-    title += " (fp32 in and out)."
+def render_triton(c: CoeffFile, sources: list[tuple[str, str]], entry: spec.Entry) -> str:
+    title = f"{c.activation}, family {c.family!r}: the forward and q {_per_branch(c)} as Triton device"
+    title += " functions (fp32 in and out)."
+    forward = f'''{_TRITON_JIT}def forward(x):
+    """f in fp32, the forward kernel's."""
+{function_body(fold_constants(entry.triton), TritonPrinter(), variable=spec.X)}
+'''
+    text = f"{forward}\n\n{_functions(c, TritonPrinter(), '', decorator=_TRITON_JIT)}"
     return f'''{_header(sources)}"""{title}"""
 
 import triton
 import triton.language as tl
 
 
-{_functions(c, TritonPrinter(), "", decorator=_TRITON_JIT)}'''
+{text}{_LOG1P_TRITON if "_log1p(" in text else ""}'''
 
 
 def render_index(defaults: dict[str, str], sources: list[tuple[str, str]]) -> str:
@@ -173,7 +236,15 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
     if not (isinstance(defaults, dict) and all(isinstance(v, str) for v in defaults.values())):
         raise ValueError(f"{defaults_name}: expected an object of activation -> family names")
     files = {"__init__.py": render_index(defaults, [(defaults_name, _sha256(defaults_bytes))])}
+    try:
+        spec_name, spec_bytes = source(coeffs_dir / "activations.json")
+    except OSError as e:
+        path = coeffs_dir / "activations.json"
+        raise ValueError(f"{path}: cannot read the activation spec ({e.strerror})") from None
+    entries = spec.loads(spec_bytes.decode("utf-8"), spec_name)
     for activation, family in sorted(defaults.items()):
+        if activation not in entries:
+            raise ValueError(f"{defaults_name}: {activation!r} has no entry in {spec_name}")
         path = coeffs_dir / activation / f"{family}.json"
         name, data = source(path)
         try:
@@ -181,9 +252,10 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
         except UnicodeDecodeError:
             raise ValueError(f"{path}: not UTF-8 text") from None
         sources = [(name, _sha256(data))]
-        files[f"{activation}.py"] = render_torch(c, sources)
+        with_spec = [(spec_name, _sha256(spec_bytes)), *sources]
+        files[f"{activation}.py"] = render_torch(c, with_spec, entries[activation])
         files[f"{activation}_cpu.py"] = render_cpu(c, sources)
-        files[f"{activation}_triton.py"] = render_triton(c, sources)
+        files[f"{activation}_triton.py"] = render_triton(c, with_spec, entries[activation])
     return files
 
 

@@ -10,6 +10,8 @@ Schema `invact-activations/1`: {"schema", "about", "activations": {name: entry}}
 - `torch` (required): the forward torch computes, which InvAct reproduces bitwise:
   `{"function": a name in torch.nn.functional, "kwargs": {...}}`, or `{"formula": a formula in x}`
   printed with torch's functions;
+- `triton`: the fp32 forward of the Triton kernels, as a formula in x, where `f` uses a function with no
+  Triton form (tanh, erfc, softplus) or needs torch's own cut-offs (softplus is x past 20); else `f`;
 - `monotone`: true for an increasing f: one branch, no bit (default false);
 - `exact_q`: f'(f^-1(y)) as a formula in y, where it has a closed form (the `exact` family);
 - `right_decay`: k(y) with f' - 1 ~ exp(-k) as x -> inf (the `floor` family's right branch);
@@ -39,7 +41,7 @@ SCHEMA = "invact-activations/1"
 SPEC = Path(__file__).resolve().parents[1] / "coeffs" / "activations.json"
 X = sympy.Symbol("x", real=True)
 Y = sympy.Symbol("y", real=True)
-_FIELDS = {"f", "df", "torch", "monotone", "exact_q", "right_decay", "derivation", "notes"}
+_FIELDS = {"f", "df", "torch", "triton", "monotone", "exact_q", "right_decay", "derivation", "notes"}
 # torch.nn.functional functions an entry's `torch` may name, with the keyword arguments each takes.
 TORCH_FUNCTIONS: dict[str, set[str]] = {
     "gelu": {"approximate"},
@@ -69,6 +71,7 @@ class Entry:
     f: sympy.Expr  # in X
     df: sympy.Expr  # in X: the entry's `df`, or sympy.diff(f, X)
     torch: TorchForward
+    triton: sympy.Expr  # in X: the entry's `triton`, or f
     monotone: bool = False
     exact_q: str | None = None  # formula text in y (fitting's exact family parses it)
     right_decay: str | None = None  # formula text in y (fitting's floor family parses it)
@@ -113,7 +116,8 @@ def _entry(name: str, doc: Any) -> Entry:
         if not (positive and set(d) == {"base", "scale"} and isinstance(d["base"], str)):
             raise SpecError(f'{where}: derivation must be {{"base": name, "scale": a positive number}}')
         derivation = (d["base"], float(d["scale"]))
-    return Entry(name, f, df, _torch(doc["torch"], where), monotone, doc.get("exact_q"),
+    triton = formula(doc["triton"], f"{where}: triton") if "triton" in doc else f
+    return Entry(name, f, df, _torch(doc["torch"], where), triton, monotone, doc.get("exact_q"),
                  doc.get("right_decay"), derivation, df_given)  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import sympy
 from scipy import optimize, special
 
 from codegen import spec
+from codegen.functions import fold_constants
 
 Array = np.ndarray
 _MONOTONE_CHECK = np.linspace(-20.0, 20.0, 4001)  # where a monotone entry's f' >= 0 is checked
@@ -93,32 +94,10 @@ _NUMPY = {
 }
 
 
-def _float_constants(expr: sympy.Basic) -> sympy.Basic:
-    """expr with the constant factors of each product (terms of each sum) folded into one float64
-    constant, exponents kept exact and sums kept undistributed: 2*sqrt(2)*(x + d x^3)/sqrt(pi) becomes
-    1.5957691216057308*(x + d x^3), one rounding for the constant instead of four, as torch writes it
-    (tests/fitting/test_activations.py holds gelu_tanh's f' to 1.2e-13 relative in its left tail,
-    where the error of the sigmoid's argument is multiplied by the argument, ~700). sympy's evalf does
-    not reach into the arguments of functions it cannot evaluate, like sigmoid."""
-    if expr.is_Number or not expr.args:
-        return expr
-    if expr.is_number:
-        return sympy.Float(float(expr), 17)
-    if expr.is_Pow:
-        return sympy.Pow(_float_constants(expr.base), expr.exp)
-    if expr.is_Add or expr.is_Mul:
-        constants = [a for a in expr.args if a.is_number]
-        rest = [_float_constants(a) for a in expr.args if not a.is_number]
-        if constants:
-            rest.insert(0, sympy.Float(float(expr.func(*constants)), 17))  # 17 digits: prints as the float64
-        return expr.func(*rest, evaluate=False)  # c*(x + d x^3) stays so (sympy would distribute c)
-    return expr.func(*[_float_constants(a) for a in expr.args])
-
-
 def numpy_function(expr, symbol=spec.X) -> Callable[[Array], Array]:
     """A sympy expression in one symbol as a float64 numpy function (sympy.lambdify prints the code from
     the parsed expression, which holds only allow-listed functions: no text is evaluated)."""
-    fn = sympy.lambdify(symbol, _float_constants(expr), modules=[_NUMPY, "numpy"])
+    fn = sympy.lambdify(symbol, fold_constants(expr), modules=[_NUMPY, "numpy"])
 
     def evaluate(x):
         x = np.asarray(x, dtype=np.float64)

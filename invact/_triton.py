@@ -1,7 +1,8 @@
-"""Triton kernels, written once: the activation's forward and the generated q_left/q_right device
-functions come in as constexpr arguments. Offsets are int64 (tensors over 2^31 elements); masks
-handle any size. Forward: y = f(x) and the branch bits in one pass; backward: unpack, q in fp32,
-times dy, stored in dy's dtype. On CPU tensors these run under TRITON_INTERPRET=1 (how CI tests them).
+"""Triton kernels, written once: the activation's generated forward and q_left/q_right device
+functions (invact/_generated/<name>_triton.py) come in as constexpr arguments. Offsets are int64
+(tensors over 2^31 elements); masks handle any size. Forward: y = f(x) and the branch bits in one
+pass; backward: unpack, q in fp32, times dy, stored in dy's dtype. On CPU tensors these run under
+TRITON_INTERPRET=1 (how CI tests them).
 """
 
 from __future__ import annotations
@@ -15,51 +16,6 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # default elements per program (see Config)
-
-
-@triton.jit
-def gelu(x):
-    return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-
-
-@triton.jit
-def gelu_tanh(x):
-    # 0.5 x (1 + tanh u) = x sigmoid(2u): no libdevice tanh (absent in the interpreter).
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return x / (1.0 + tl.exp(-2.0 * u))
-
-
-@triton.jit
-def silu(x):
-    return x / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def quick_gelu(x):
-    return x * (1.0 / (1.0 + tl.exp(-1.702 * x)))
-
-
-@triton.jit
-def mish(x):
-    # x tanh(softplus x) with tanh(log(1 + n)) = n (n + 2) / (n (n + 2) + 2), n = e^x; past x = 20
-    # tanh(softplus x) is 1 in fp32, and n (n + 2) would overflow.
-    n = tl.exp(tl.minimum(x, 20.0))
-    m = n * (n + 2.0)
-    return tl.where(x > 20.0, x, x * (m / (m + 2.0)))
-
-
-@triton.jit
-def softplus(x):
-    # torch's softplus (beta 1, threshold 20): log1p(e^x), and x past 20. No libdevice log1p in the
-    # interpreter: log1p(u) = log(1 + u) * u / ((1 + u) - 1) corrects the rounding of 1 + u, and is u
-    # itself where 1 + u rounds to 1.
-    u = tl.exp(tl.minimum(x, 20.0))
-    w = 1.0 + u
-    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
-    return tl.where(x > 20.0, x, log1p)
-
-
-FORWARD = {f.__name__: f for f in (gelu, gelu_tanh, silu, quick_gelu, mish, softplus)}
 
 
 @triton.jit
@@ -120,9 +76,14 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
 
 
 @functools.cache
+def _generated(activation: str):
+    """The activation's generated device functions: forward, q_right, and q_left unless monotone."""
+    return importlib.import_module(f"invact._generated.{activation}_triton")
+
+
 def _q(activation: str):
     """(q_left, q_right) device functions; q_left is None for a monotone activation (one branch)."""
-    gen = importlib.import_module(f"invact._generated.{activation}_triton")
+    gen = _generated(activation)
     return getattr(gen, "q_left", None), gen.q_right
 
 
@@ -159,8 +120,8 @@ def forward(activation: str, threshold: float | None, x: torch.Tensor, y: torch.
     bits = torch.empty(0 if precision_bit or monotone else (n + 7) // 8, dtype=torch.uint8, device=x.device)
     if n:
         _launch(_forward_kernel, config or CONFIGS["forward"], n, x, y, bits,
-                T=0.0 if monotone else threshold, FN=FORWARD[activation], PRECISION_BIT=precision_bit,
-                MONOTONE=monotone)  # fmt: skip
+                T=0.0 if monotone else threshold, FN=_generated(activation).forward,
+                PRECISION_BIT=precision_bit, MONOTONE=monotone)  # fmt: skip
     return bits
 
 

@@ -4,6 +4,7 @@ runs nothing, and reads every committed coefficient file to exactly the expressi
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,7 @@ def test_codegen_refuses_an_evil_coeffs_dir(tmp_path):
     coeffs = tmp_path / "coeffs"
     coeffs.mkdir()
     (coeffs / "defaults.json").write_text(json.dumps({"gelu": "paper"}))
+    shutil.copy(COEFFS / "activations.json", coeffs)
     _evil_copy(coeffs)
     for command in (["--check"], []):
         result = subprocess.run(
