@@ -1,8 +1,8 @@
 """Time the exact-target inversion: N values of y per branch and activation, median of several runs.
 
 Prints a markdown table and writes JSON (device, library versions, settings, rows) to
-benchmarks/results/targets_cpu.json unless --out says otherwise. The issue's bar: 10^6 points in
-under 2 s on a 2-core machine.
+benchmarks/results/targets_cpu.json unless --out says otherwise. The target: 10^6 points in under 2 s
+on a 2-core machine.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def test_small_run(tmp_path):
     for r in rows:
         assert r["replaced"] > 0, r["model"]  # an activation not replaced is a bug
         achieved = r["torch_eager"] - r["invact_bits"]
-        assert achieved >= 0.95 * r["ideal_saving"], r["model"]  # the bar
+        # within 5% of the ideal (every activation input freed, bits added): what the README claims
+        assert achieved >= 0.95 * r["ideal_saving"], r["model"]
         assert r["invact_precision_bit"] < r["invact_bits"]  # no bits saved at all
 
 

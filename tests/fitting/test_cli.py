@@ -329,7 +329,8 @@ def test_init_with_other_names_fails_in_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_init_from_the_committed_floor_file_fits(tmp_path):
-    """The issue's command (about 20 s here): invact-fit gelu --family floor --init coeffs/gelu/floor.json."""
+    """The README's command (about 20 s here):
+    invact-fit gelu --family floor --init coeffs/gelu/floor.json."""
     out = tmp_path / "gelu.json"
     init = Path("coeffs") / "gelu" / "floor.json"
     args = ["gelu", "--family", "floor", "--init", str(init), "--out", str(out)]

@@ -86,7 +86,7 @@ def test_forward_is_torch_bitwise(name, dtype):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_gradient_error_is_the_familys(name):
-    # The issue's bar: 2^20 random fp32 inputs, |dx - dy f'(x)| / |dy| <= the family's L-inf.
+    # The README's accuracy claim: over 2^20 random fp32 inputs, |dx - dy f'(x)| / |dy| is the family's L-inf.
     torch.manual_seed(0)
     x = torch.randn(2**20) * 3
     dy = torch.randn(2**20)
@@ -105,7 +105,7 @@ def test_fp32_gradient_error_is_the_familys(name):
     for branch, mask in masks:
         bound = gen.ERRORS[branch]["linf_fp32"] + _storage_error(name) + 1e-6
         assert err[mask].max() <= bound, (branch, err[mask].max().item(), bound)
-    # The default families' headline (issue 5): within 1e-5 wherever y's rounding is not the cusp's
+    # The default families' headline (README, `floor`): within 1e-5 wherever y's rounding is not the cusp's
     # sqrt: |x - T| > 0.05, where one ulp of y moves f'(f^-1(y)) by < 1e-6 (|f''/f'| < 20 there).
     away = torch.ones_like(x, dtype=torch.bool) if act.monotone else (x - act.threshold).abs() > 0.05
     assert err[away].max() <= 1e-5, err[away].max().item()
@@ -131,7 +131,7 @@ def test_every_finite_16bit_input(name, dtype, limit):
     assert torch.isfinite(dx[ok]).all()
     assert torch.isnan(dx[torch_overflow]).all()  # a NaN y propagates, as a NaN x does
     err = (dx[ok].double() - _exact_derivative(name, x[ok])).abs().max().item()
-    # Issue bars 0.06 (bf16) and 0.03 (fp16): storage floor ~0.015 / ~0.007 at the cusp, plus the
+    # Limits 0.06 (bf16) and 0.03 (fp16): storage floor ~0.015 / ~0.007 at the cusp, plus the
     # family's error (<= 2.4e-6) and dx's own rounding to the dtype (half an ulp of <= 1.13).
     assert err <= limit, err
 
