@@ -27,8 +27,8 @@ def _settings_line(nb) -> str:
     return next(line for line in text.splitlines() if line.startswith("Settings("))
 
 
-def test_both_notebooks_exist():
-    assert IDS == ["01_approximation_error", "02_fewbit_comparison"]
+def test_the_notebooks_exist():
+    assert IDS == ["01_approximation_error", "02_fewbit_comparison", "03_training_equivalence"]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
