@@ -206,13 +206,47 @@ import triton.language as tl
 {text}{_LOG1P_TRITON if "_log1p(" in text else ""}'''
 
 
-def render_index(defaults: dict[str, str], sources: list[tuple[str, str]]) -> str:
-    entries = "\n".join(f"    {a!r}: {f!r}," for a, f in sorted(defaults.items()))
-    title = "The generated activations and the family each one uses (coeffs/defaults.json)."
+def render_index(defaults: dict[str, str], the_spec: spec.Spec, sources: list[tuple[str, str]]) -> str:
+    """The runtime's tables: the activations and their families, the module class of each, the
+    classes and functions patch() replaces, and the classes it leaves alone on purpose."""
+    names = sorted(defaults)
+    families = "\n".join(f"    {a!r}: {defaults[a]!r}," for a in names)
+    module_of = {a: the_spec.entries[a].module for a in names}
+    modules = "\n".join(f"    {a!r}: ({cls!r}, {dict(kwargs)!r})," for a, (cls, kwargs) in module_of.items())
+    replaces: dict[str, list[str]] = {}
+    for a in names:
+        for cls, when, checked in the_spec.entries[a].patch:
+            replaces.setdefault(cls, []).append(f"        ({a!r}, {dict(when)!r}),  # {checked}")
+    patch = "\n".join(f"    {cls!r}: (\n" + "\n".join(rows) + "\n    )," for cls, rows in replaces.items())
+    functions = "\n".join(f"    {fn!r}: {a!r}," for a in names for fn in the_spec.entries[a].functions)
+    skipped = "\n".join(f"    {cls!r}: {why!r}," for cls, why in sorted(the_spec.skipped.items()))
+    title = "The generated activations and the runtime's tables, from coeffs/defaults.json and the spec."
     return f'''{_header(sources)}"""{title}"""
 
+# activation -> the coefficient family its generated module was printed from
 FAMILIES = {{
-{entries}
+{families}
+}}
+
+# activation -> (its module class in invact.modules, the keyword arguments that select it)
+MODULES = {{
+{modules}
+}}
+
+# qualified class name -> ((activation, attribute values the instance must have), ...): the classes
+# patch() replaces, each with the formula it was checked to compute
+REPLACES = {{
+{patch}
+}}
+
+# qualified name of a torch.nn.functional function held as a module attribute -> activation
+FUNCTIONS = {{
+{functions}
+}}
+
+# activation classes patch() leaves alone on purpose -> why
+SKIPPED = {{
+{skipped}
 }}
 '''
 
@@ -235,13 +269,15 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
         raise ValueError(f"{defaults_name}: not valid JSON ({e})") from None
     if not (isinstance(defaults, dict) and all(isinstance(v, str) for v in defaults.values())):
         raise ValueError(f"{defaults_name}: expected an object of activation -> family names")
-    files = {"__init__.py": render_index(defaults, [(defaults_name, _sha256(defaults_bytes))])}
     try:
         spec_name, spec_bytes = source(coeffs_dir / "activations.json")
     except OSError as e:
         path = coeffs_dir / "activations.json"
         raise ValueError(f"{path}: cannot read the activation spec ({e.strerror})") from None
-    entries = spec.loads(spec_bytes.decode("utf-8"), spec_name)
+    the_spec = spec.read(spec_bytes.decode("utf-8"), spec_name)
+    entries = the_spec.entries
+    index_sources = [(defaults_name, _sha256(defaults_bytes)), (spec_name, _sha256(spec_bytes))]
+    files = {"__init__.py": render_index(defaults, the_spec, index_sources)}
     for activation, family in sorted(defaults.items()):
         if activation not in entries:
             raise ValueError(f"{defaults_name}: {activation!r} has no entry in {spec_name}")

@@ -16,7 +16,16 @@ Schema `invact-activations/1`: {"schema", "about", "activations": {name: entry}}
 - `exact_q`: f'(f^-1(y)) as a formula in y, where it has a closed form (the `exact` family);
 - `right_decay`: k(y) with f' - 1 ~ exp(-k) as x -> inf (the `floor` family's right branch);
 - `derivation`: `{"base", "scale"}`, f(x) = base(scale x) / scale, so fits derive from the base's;
+- `module` (required): the runtime's torch-compatible module class (`invact.modules`) and the keyword
+  arguments that select this activation: `{"class": "InvActGELU", "kwargs": {"approximate": "tanh"}}`;
+- `patch`: the classes `invact.patch()` replaces with it, by qualified name -> the formula the class
+  was checked to compute, or `{"when": {attribute: value}, "checked": ...}` where the class computes
+  this activation only for those attribute values (nn.GELU's approximate);
+- `functions`: functions in `torch.nn.functional` that patch() replaces where a module holds them as
+  an attribute (nn.TransformerEncoderLayer(activation="gelu"));
 - `notes`: field -> why it is written as it is (not read).
+
+Top level, `skipped`: activation classes patch() leaves alone on purpose -> the reason.
 
 Formulas are parsed by codegen.safe_expr (never evaluated) with the functions of codegen.functions:
 sqrt, exp, log, log1p, erf, erfc, tanh, Phi, sigmoid, softplus, Abs, Max, Min, Piecewise, and the constant
@@ -28,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +51,10 @@ SCHEMA = "invact-activations/1"
 SPEC = Path(__file__).resolve().parents[1] / "coeffs" / "activations.json"
 X = sympy.Symbol("x", real=True)
 Y = sympy.Symbol("y", real=True)
-_FIELDS = {"f", "df", "torch", "triton", "monotone", "exact_q", "right_decay", "derivation", "notes"}
+_FIELDS = {"f", "df", "torch", "triton", "monotone", "exact_q", "right_decay", "derivation", "module",
+           "patch", "functions", "notes"}  # fmt: skip
+_QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+_FUNCTION_PREFIX = "torch.nn.functional."
 # torch.nn.functional functions an entry's `torch` may name, with the keyword arguments each takes.
 TORCH_FUNCTIONS: dict[str, set[str]] = {
     "gelu": {"approximate"},
@@ -77,6 +90,15 @@ class Entry:
     right_decay: str | None = None  # formula text in y (fitting's floor family parses it)
     derivation: tuple[str, float] | None = None  # (base activation, scale)
     df_given: bool = field(default=False, compare=False)
+    module: tuple[str, tuple[tuple[str, Any], ...]] = ("", ())  # (class name, its keyword arguments)
+    patch: tuple[tuple[str, tuple[tuple[str, Any], ...], str], ...] = ()  # (class, when, checked)
+    functions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Spec:
+    entries: dict[str, Entry]
+    skipped: dict[str, str]  # class -> why patch() leaves it alone
 
 
 def formula(text: Any, where: str, variable: sympy.Symbol = X) -> sympy.Expr:
@@ -117,8 +139,70 @@ def _entry(name: str, doc: Any) -> Entry:
             raise SpecError(f'{where}: derivation must be {{"base": name, "scale": a positive number}}')
         derivation = (d["base"], float(d["scale"]))
     triton = formula(doc["triton"], f"{where}: triton") if "triton" in doc else f
+    if "module" not in doc:
+        raise SpecError(f"{where}: missing field 'module'")
+    patch, functions = _patch(doc.get("patch", {}), where), _functions(doc.get("functions", []), where)
     return Entry(name, f, df, _torch(doc["torch"], where), triton, monotone, doc.get("exact_q"),
-                 doc.get("right_decay"), derivation, df_given)  # fmt: skip
+                 doc.get("right_decay"), derivation, df_given, _module(doc["module"], where), patch,
+                 functions)  # fmt: skip
+
+
+def _constants(doc: Any, where: str) -> tuple[tuple[str, Any], ...]:
+    """{name: number, bool or identifier-like string} as sorted pairs."""
+    if not isinstance(doc, dict):
+        raise SpecError(f"{where}: expected an object of name -> value")
+    for key, value in doc.items():
+        if not key.isidentifier():
+            raise SpecError(f"{where}: {key!r} is not a name")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not (number or isinstance(value, bool) or (isinstance(value, str) and value.isidentifier())):
+            raise SpecError(f"{where}: {key} must be a finite number, true/false or a name, got {value!r}")
+    return tuple(sorted(doc.items()))
+
+
+def _module(doc: Any, where: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    where = f"{where}: module"
+    if not (isinstance(doc, dict) and "class" in doc and set(doc) <= {"class", "kwargs"}):
+        raise SpecError(f'{where}: expected {{"class": name, "kwargs": {{...}}}}')
+    cls = doc["class"]
+    if not (isinstance(cls, str) and cls.isidentifier() and cls.startswith("InvAct")):
+        raise SpecError(f"{where}: class must be an InvAct... name in invact.modules, got {cls!r}")
+    return cls, _constants(doc.get("kwargs", {}), f"{where}: kwargs")
+
+
+def _patch(doc: Any, where: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...], str], ...]:
+    where = f"{where}: patch"
+    if not isinstance(doc, dict):
+        raise SpecError(f"{where}: expected an object of qualified class name -> check")
+    out = []
+    for cls, check in doc.items():
+        if not _QUALNAME.fullmatch(cls):
+            raise SpecError(f"{where}: {cls!r} is not a qualified class name (module.Class)")
+        if isinstance(check, str):
+            out.append((cls, (), check))
+        elif (
+            isinstance(check, dict)
+            and set(check) == {"when", "checked"}
+            and isinstance(check["checked"], str)
+        ):  # noqa: E501
+            when = _constants(check["when"], f"{where}: {cls}: when")
+            if not when:
+                raise SpecError(f"{where}: {cls}: an empty when: give the check as a string")
+            out.append((cls, when, check["checked"]))
+        else:
+            expected = '{"when": {...}, "checked": text}'
+            raise SpecError(f"{where}: {cls}: expected the checked formula, or {expected}")
+    return tuple(out)
+
+
+def _functions(doc: Any, where: str) -> tuple[str, ...]:
+    if not (isinstance(doc, list) and all(isinstance(n, str) for n in doc)):
+        raise SpecError(f"{where}: functions must be a list of names")
+    for name in doc:
+        rest = name.removeprefix(_FUNCTION_PREFIX)
+        if rest == name or not rest.isidentifier():
+            raise SpecError(f"{where}: functions: {name!r} is not a function of {_FUNCTION_PREFIX[:-1]}")
+    return tuple(doc)
 
 
 def _torch(doc: Any, where: str) -> TorchForward:
@@ -148,6 +232,11 @@ def _torch(doc: Any, where: str) -> TorchForward:
 
 def loads(text: str, source: str = "activation spec") -> dict[str, Entry]:
     """name -> Entry, in name order."""
+    return read(text, source).entries
+
+
+def read(text: str, source: str = "activation spec") -> Spec:
+    """The whole spec: the entries, in name order, and the classes patch() skips."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
@@ -157,16 +246,29 @@ def loads(text: str, source: str = "activation spec") -> dict[str, Entry]:
     activations = doc.get("activations")
     if not isinstance(activations, dict) or not activations:
         raise SpecError(f'{source}: "activations" must be a non-empty object of name -> entry')
-    entries = {}
+    entries, claimed_when = {}, {}
     for name in sorted(activations):
         if not name.isidentifier() or not name.islower():
             raise SpecError(f"{source}: activation name {name!r} must be a lower-case Python identifier")
         entries[name] = _entry(name, activations[name])
+    skipped = doc.get("skipped", {})
+    if not (isinstance(skipped, dict) and all(isinstance(v, str) for v in skipped.values())):
+        raise SpecError(f"{source}: skipped must be an object of qualified class name -> reason")
+    claimed: dict[str, str] = {}
+    for entry in entries.values():
+        for cls, when, _ in entry.patch:
+            if cls in skipped:
+                raise SpecError(f"activation {entry.name!r}: patch: {cls} is also in skipped")
+            if cls in claimed and (not when or not dict(claimed_when[cls])):
+                raise SpecError(f"activation {entry.name!r}: patch: {cls} is claimed by {claimed[cls]!r} "
+                                "too, without a when to tell them apart")  # fmt: skip
+            claimed[cls] = entry.name
+            claimed_when[cls] = when
     for entry in entries.values():
         if entry.derivation and entry.derivation[0] not in entries:
             base = entry.derivation[0]
             raise SpecError(f"activation {entry.name!r}: derivation base {base!r} is not in the spec")
-    return entries
+    return Spec(entries, dict(skipped))
 
 
 def load(path: str | os.PathLike = SPEC) -> dict[str, Entry]:

@@ -19,73 +19,69 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from invact import _generated, modules
 from invact.activations import ACTIVATIONS
-from invact.functional import softplus_unsupported
-from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU, InvActSoftplus, _InvAct
+from invact.modules import _InvAct
 
 log = logging.getLogger("invact")
 Factory = Callable[[nn.Module, str], nn.Module]
 
-_EXACT: Factory = lambda m, mode: InvActGELU("none", mode=mode)  # noqa: E731
-_TANH: Factory = lambda m, mode: InvActGELU("tanh", mode=mode)  # noqa: E731
-_SILU: Factory = lambda m, mode: InvActSiLU(mode=mode)  # noqa: E731
-_QUICK: Factory = lambda m, mode: InvActQuickGELU(mode=mode)  # noqa: E731
-_MISH: Factory = lambda m, mode: InvActMish(mode=mode)  # noqa: E731
 
-# Qualified class name -> factory. Each formula checked against its source:
-REPLACEABLE: dict[str, Factory] = {
-    "torch.nn.modules.activation.GELU": lambda m, mode: InvActGELU(m.approximate, mode=mode),
-    "torch.nn.modules.activation.SiLU": _SILU,
-    "torch.nn.modules.activation.Mish": _MISH,
-    "torch.nn.modules.activation.Softplus": lambda m, mode: InvActSoftplus(m.beta, m.threshold, mode=mode),
-    # transformers.activations
-    "transformers.activations.GELUActivation": _EXACT,  # F.gelu, or x/2 (1 + erf(x/sqrt 2)) in Python
-    "transformers.activations.GELUTanh": _TANH,  # F.gelu(approximate="tanh"), or its Python formula
-    "transformers.activations.PytorchGELUTanh": _TANH,  # older name of GELUTanh
-    "transformers.activations.NewGELUActivation": _TANH,  # x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-    "transformers.activations.FastGELUActivation": _TANH,  # the same with sqrt(2/pi) to 10 digits
-    "transformers.activations.AccurateGELUActivation": _TANH,  # the same, constant precomputed
-    "transformers.activations.QuickGELUActivation": _QUICK,  # x sigmoid(1.702 x)
-    "transformers.activations.SiLUActivation": _SILU,
-    "transformers.activations.MishActivation": _MISH,  # F.mish, or x tanh(softplus(x)) in Python
-    # x/2 (1 + tanh(0.79788456 x (1 + 0.044715 x^2))): sqrt(2/pi) to 8 digits, 2e-9 relative, below fp32
-    "transformers.models.bloom.modeling_bloom.BloomGelu": _TANH,
-    # timm.layers.activations (checked against its source; timm itself uses nn.SiLU for SiLU)
-    "timm.layers.activations.GELU": _EXACT,  # F.gelu
-    "timm.layers.activations.GELUTanh": _TANH,  # F.gelu(approximate="tanh")
-    "timm.layers.activations.QuickGELU": _QUICK,  # x sigmoid(1.702 x)
-    "timm.layers.activations.Swish": _SILU,  # x sigmoid(x)
-    "timm.layers.activations.Mish": _MISH,  # x tanh(softplus(x)): F.mish to rounding
-}
+def module_for(activation: str, mode: str) -> nn.Module:
+    """The InvAct module that computes `activation` (its torch-compatible class, generated MODULES)."""
+    cls, kwargs = _generated.MODULES[activation]
+    return getattr(modules, cls)(**kwargs, mode=mode)
+
+
+def _matches(module, when: dict) -> bool:
+    return all(getattr(module, k, None) == v for k, v in when.items())
+
+
+def _factory(options) -> Factory:
+    """For a replaced class: the InvAct module of the first activation whose attribute values match."""
+
+    def make(module, mode: str) -> nn.Module:
+        for activation, when in options:
+            if _matches(module, when):
+                return module_for(activation, mode)
+        raise ValueError(_unsupported(options)(module))  # plan() has left it alone already
+
+    return make
+
+
+def _unsupported(options) -> Callable[[nn.Module], str | None]:
+    """Why an instance is left alone: its attributes match no activation; the reason is what the
+    activation's own constructor says of those values (InvActSoftplus(beta=2) explains beta)."""
+
+    def reason(module) -> str | None:
+        if any(_matches(module, when) for _, when in options):
+            return None
+        activation, when = options[0]
+        cls, kwargs = _generated.MODULES[activation]
+        given = {k: getattr(module, k, None) for k in when}
+        try:
+            getattr(modules, cls)(**(kwargs | given))
+        except (TypeError, ValueError) as e:
+            return str(e)
+        values = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        choices = " or ".join(", ".join(f"{k}={v!r}" for k, v in w.items()) for _, w in options)
+        return f"{values}: InvAct reproduces this class with {choices} only"
+
+    return reason
+
+
+# Qualified class name -> factory, for every class the spec says patch() replaces (each checked
+# against its source: the formulas are in invact/_generated/__init__.py, REPLACES).
+REPLACEABLE: dict[str, Factory] = {cls: _factory(options) for cls, options in _generated.REPLACES.items()}
 
 # Replaceable classes whose instances may be configured beyond what InvAct reproduces: module -> the
 # reason to leave it alone, or None.
 CONDITIONS: dict[str, Callable[[nn.Module], str | None]] = {
-    "torch.nn.modules.activation.Softplus": lambda m: softplus_unsupported(m.beta, m.threshold),
+    cls: _unsupported(options) for cls, options in _generated.REPLACES.items() if any(w for _, w in options)
 }
 
 # Activations deliberately left alone, with the reason.
-SKIPPED: dict[str, str] = {
-    "transformers.activations.ClippedGELUActivation": "clip(gelu(x)) is flat past its bounds: not invertible",
-    "transformers.activations.LaplaceActivation": "no fitted family for this activation",
-    "transformers.activations.XIELUActivation": "has trainable parameters: f changes during training",
-    "transformers.activations.ReLUSquaredActivation": "no fitted family for relu^2",
-    "transformers.activations.SqrtSoftplusActivation": "no fitted family for this activation",
-    "transformers.activations.LinearActivation": "identity: saves nothing",
-    "torch.nn.modules.activation.ReLU": "ReLU's backward needs only its output: nothing to save",
-    "torch.nn.modules.activation.ReLU6": "needs only its output's range: nothing to save",
-    "torch.nn.modules.activation.LeakyReLU": "invertible from its output already",
-    "torch.nn.modules.activation.PReLU": "has a trainable slope",
-    "torch.nn.modules.activation.Tanh": "torch already saves only its output",
-    "torch.nn.modules.activation.Sigmoid": "torch already saves only its output",
-    "torch.nn.modules.activation.Hardswish": "no fitted family for hardswish",
-    "timm.layers.activations.Tanh": "torch already saves only its output",
-    "timm.layers.activations.Sigmoid": "torch already saves only its output",
-    "timm.layers.activations.HardSwish": "no fitted family for hardswish",
-    "timm.layers.activations.HardSigmoid": "piecewise linear: needs only its output's range",
-    "timm.layers.activations.HardMish": "no fitted family for hard mish",
-    "timm.layers.activations.PReLU": "has a trainable slope",
-}
+SKIPPED: dict[str, str] = dict(_generated.SKIPPED)
 _ACTIVATION_LIKE = re.compile(
     r"gelu|silu|swish|mish|relu|elu|tanh|sigmoid|softplus|activation", re.IGNORECASE
 )
@@ -96,13 +92,11 @@ RISK_HINT = "; pass example_inputs= to measure it"
 
 # Activations stored as plain function attributes of a module (nn.TransformerEncoderLayer(activation=
 # "gelu") keeps F.gelu in self.activation): the function -> the InvAct module that computes it.
+_FUNCTION_NAMES = {getattr(F, name.rpartition(".")[2]): name for name in _generated.FUNCTIONS}
 FUNCTIONS: dict[Callable, Factory] = {
-    F.gelu: lambda f, mode: InvActGELU("none", mode=mode),
-    F.silu: _SILU,
-    F.mish: _MISH,
+    fn: (lambda f, mode, a=_generated.FUNCTIONS[name]: module_for(a, mode))
+    for fn, name in _FUNCTION_NAMES.items()
 }
-_FUNCTION_NAMES = {F.gelu: "torch.nn.functional.gelu", F.silu: "torch.nn.functional.silu",
-                   F.mish: "torch.nn.functional.mish"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def _spec(**entry) -> str:
     return json.dumps({"schema": spec.SCHEMA, "activations": {"act": entry}})
 
 
-GOOD = {"f": "x*sigmoid(x)", "torch": {"function": "silu"}}
+GOOD = {"f": "x*sigmoid(x)", "torch": {"function": "silu"}, "module": {"class": "InvActSiLU"}}
 
 
 @pytest.mark.parametrize(
@@ -68,6 +68,13 @@ GOOD = {"f": "x*sigmoid(x)", "torch": {"function": "silu"}}
         (GOOD | {"derivation": {"base": "silu", "scale": -1}}, "derivation must be"),
         (GOOD | {"derivation": {"base": "nope", "scale": 2}}, "derivation base 'nope' is not in the spec"),
         (GOOD | {"monotone": "yes"}, "monotone must be true or false"),
+        ({"f": "x", "torch": {"function": "silu"}}, "missing field 'module'"),
+        (GOOD | {"module": {"class": "os.system"}}, "class must be an InvAct... name"),
+        (GOOD | {"module": {"class": "InvActX", "kwargs": {"a": [1]}}}, "a must be a finite number"),
+        (GOOD | {"patch": {"Swish": "x"}}, "'Swish' is not a qualified class name"),
+        (GOOD | {"patch": {"m.Swish": 3}}, "expected the checked formula"),
+        (GOOD | {"patch": {"m.Swish": {"when": {}, "checked": "x"}}}, "an empty when"),
+        (GOOD | {"functions": ["os.system"]}, "'os.system' is not a function of torch.nn.functional"),
     ],
 )  # fmt: skip
 def test_a_bad_entry_is_one_line_naming_it(entry, message):
@@ -83,9 +90,15 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
         (json.dumps({"schema": "other", "activations": {}}), 'expected an object with "schema"'),
         (json.dumps({"schema": spec.SCHEMA, "activations": {}}), "must be a non-empty object"),
         (json.dumps({"schema": spec.SCHEMA, "activations": {"Bad-Name": GOOD}}), "lower-case Python"),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {"a": GOOD | {"patch": {"m.S": "x"}}},
+                     "skipped": {"m.S": "no"}}), "m.S is also in skipped"),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {"a": GOOD | {"patch": {"m.S": "x"}},
+                                                            "b": GOOD | {"patch": {"m.S": "x"}}}}),
+         "m.S is claimed by 'a' too"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_one_line(text, message):
+    """(the last rows: a class both replaced and skipped, and one claimed twice without a when)"""
     with pytest.raises(spec.SpecError) as info:
         spec.loads(text)
     assert message in str(info.value)

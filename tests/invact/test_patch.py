@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import invact
-from invact.patch import REPLACEABLE, SKIPPED
+from invact.activations import ACTIVATIONS
+from invact.patch import REPLACEABLE, SKIPPED, module_for
 from tests.invact.test_memory_and_compile import saved_storages
 
 transformers = pytest.importorskip("transformers")
@@ -22,6 +23,13 @@ def _instantiate(entry):
 
 def _qualname(module):
     return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_the_specs_module_class_computes_its_activation(activation):
+    # coeffs/activations.json names each activation's module class and the arguments that select it
+    module = module_for(activation, "precision_bit")
+    assert module.activation == activation and module.mode == "precision_bit"
 
 
 @pytest.mark.parametrize("key", sorted(ACT2CLS))
