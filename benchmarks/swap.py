@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 import invact
-from invact.patch import REPLACEABLE
+from invact.patch import REPLACEABLE, _parent
 
 
 def replace_activations(model: nn.Module, make: Callable[[nn.Module, str], nn.Module]) -> list[str]:
@@ -18,8 +18,7 @@ def replace_activations(model: nn.Module, make: Callable[[nn.Module, str], nn.Mo
     for d in invact.plan(model):
         if not d.replace or d.cls not in REPLACEABLE:  # modules only (the models here hold no functions)
             continue
-        parent_name, _, attr = d.name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+        parent, attr = _parent(model, d.name)
         old = getattr(parent, attr)
         setattr(parent, attr, make(old, REPLACEABLE[d.cls](old, "bits").activation))
         replaced.append(d.name)

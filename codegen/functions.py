@@ -1,13 +1,14 @@
-"""The functions an activation's formula may use (coeffs/activations.json, `invact-fit --expr`), as
-sympy functions, and how each is computed in float64 numpy.
+"""The functions an activation's formula may use (coeffs/activations.json), as sympy functions.
+How each is computed is the printers' business: codegen.printers (torch, Triton) and
+fitting.activations (float64 numpy).
 
 Beyond the coefficient files' sqrt, exp, log, Abs, Max, Min and Piecewise: erf, erfc, tanh, log1p,
-and two that sympy lacks, written so that their float64 values and derivatives never cancel or
-overflow:
+and three that sympy lacks, kept as functions so that sympy never rewrites them into forms that
+cancel (it turns erfc(-z) into 2 - erfc(z)), with derivatives that never cancel or overflow:
 
+- Phi(z), the standard normal CDF (1 + erf(z / sqrt 2)) / 2, derivative exp(-z^2 / 2) / sqrt(2 pi);
 - sigmoid(z) = 1 / (1 + exp(-z)), derivative sigmoid(z) sigmoid(-z) (no 1 - sigmoid cancellation);
-- softplus(z) = log(1 + exp(z)) (numpy's logaddexp(0, z): z itself past exp's range), derivative
-  sigmoid(z).
+- softplus(z) = log(1 + exp(z)), derivative sigmoid(z).
 """
 
 from __future__ import annotations

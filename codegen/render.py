@@ -91,7 +91,7 @@ def _torch_forward(entry: spec.Entry) -> str:
     else:
         body, what = (
             function_body(t.formula, TorchPrinter(), variable=spec.X),
-            "the formula torch's users write",
+            "as the libraries that define it write it",
         )
     return f'''def torch_forward(x: torch.Tensor) -> torch.Tensor:
     """The forward InvAct reproduces bitwise ({what})."""

@@ -246,7 +246,7 @@ def read(text: str, source: str = "activation spec") -> Spec:
     activations = doc.get("activations")
     if not isinstance(activations, dict) or not activations:
         raise SpecError(f'{source}: "activations" must be a non-empty object of name -> entry')
-    entries, claimed_when = {}, {}
+    entries = {}
     for name in sorted(activations):
         if not name.isidentifier() or not name.islower():
             raise SpecError(f"{source}: activation name {name!r} must be a lower-case Python identifier")
@@ -254,16 +254,15 @@ def read(text: str, source: str = "activation spec") -> Spec:
     skipped = doc.get("skipped", {})
     if not (isinstance(skipped, dict) and all(isinstance(v, str) for v in skipped.values())):
         raise SpecError(f"{source}: skipped must be an object of qualified class name -> reason")
-    claimed: dict[str, str] = {}
+    claimed: dict[str, tuple[str, tuple]] = {}  # class -> (the activation that claims it, its when)
     for entry in entries.values():
         for cls, when, _ in entry.patch:
             if cls in skipped:
                 raise SpecError(f"activation {entry.name!r}: patch: {cls} is also in skipped")
-            if cls in claimed and (not when or not dict(claimed_when[cls])):
-                raise SpecError(f"activation {entry.name!r}: patch: {cls} is claimed by {claimed[cls]!r} "
+            if cls in claimed and (not when or not claimed[cls][1]):
+                raise SpecError(f"activation {entry.name!r}: patch: {cls} is claimed by {claimed[cls][0]!r} "
                                 "too, without a when to tell them apart")  # fmt: skip
-            claimed[cls] = entry.name
-            claimed_when[cls] = when
+            claimed[cls] = (entry.name, when)
     for entry in entries.values():
         if entry.derivation and entry.derivation[0] not in entries:
             base = entry.derivation[0]

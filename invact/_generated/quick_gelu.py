@@ -20,7 +20,7 @@ STORAGE_FLOOR = {"left": {"bf16": 0.013774638582417325, "fp16": 0.00510901092075
 
 
 def torch_forward(x: torch.Tensor) -> torch.Tensor:
-    """The forward InvAct reproduces bitwise (the formula torch's users write)."""
+    """The forward InvAct reproduces bitwise (as the libraries that define it write it)."""
     return x*torch.sigmoid(1.702*x)
 
 
