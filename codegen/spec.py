@@ -176,6 +176,10 @@ def _patch(doc: Any, where: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]
         raise SpecError(f"{where}: expected an object of qualified class name -> check")
     out = []
     for cls, check in doc.items():
+        text = check["checked"] if isinstance(check, dict) else check
+        if isinstance(text, str) and not (text.isascii() and text.isprintable()):
+            # codegen prints it as a comment in invact/_generated/__init__.py: a newline would start code
+            raise SpecError(f"{where}: {cls}: the checked formula must be one line of printable ASCII")
         if not _QUALNAME.fullmatch(cls):
             raise SpecError(f"{where}: {cls!r} is not a qualified class name (module.Class)")
         if isinstance(check, str):

@@ -73,6 +73,8 @@ GOOD = {"f": "x*sigmoid(x)", "torch": {"function": "silu"}, "module": {"class": 
         (GOOD | {"module": {"class": "InvActX", "kwargs": {"a": [1]}}}, "a must be a finite number"),
         (GOOD | {"patch": {"Swish": "x"}}, "'Swish' is not a qualified class name"),
         (GOOD | {"patch": {"m.Swish": 3}}, "expected the checked formula"),
+        (GOOD | {"patch": {"m.Swish": "x\nimport os"}}, "one line of printable ASCII"),
+        (GOOD | {"patch": {"m.S": {"when": {"a": 1}, "checked": "x\rimport os"}}}, "one line of printable"),
         (GOOD | {"patch": {"m.Swish": {"when": {}, "checked": "x"}}}, "an empty when"),
         (GOOD | {"functions": ["os.system"]}, "'os.system' is not a function of torch.nn.functional"),
     ],
