@@ -16,8 +16,14 @@ Schema `invact-activations/1`: {"schema", "about", "activations": {name: entry}}
 - `exact_q`: f'(f^-1(y)) as a formula in y, where it has a closed form (the `exact` family);
 - `right_decay`: k(y) with f' - 1 ~ exp(-k) as x -> inf (the `floor` family's right branch);
 - `derivation`: `{"base", "scale"}`, f(x) = base(scale x) / scale, so fits derive from the base's;
-- `module` (required): the runtime's torch-compatible module class (`invact.modules`) and the keyword
-  arguments that select this activation: `{"class": "InvActGELU", "kwargs": {"approximate": "tanh"}}`;
+- `module` (required): the runtime's torch-compatible module class (printed into
+  invact/_generated/modules.py with its functional form) and the keyword arguments that select this
+  activation: `{"class": "InvActGELU", "kwargs": {"approximate": "tanh"}}`. Optional: `ignored`,
+  arguments torch's class takes that change nothing here, with their defaults (`{"inplace": false}`:
+  InvAct never keeps x), and `why`, argument -> why other values are not reproduced (one line). A
+  class's constructor takes the union of its entries' kwargs; the first entry (in name order) that
+  names the class gives their defaults, so list torch's default there. Its functional form is named
+  after the torch function (`torch.function`), or the activation where torch has none;
 - `patch`: the classes `invact.patch()` replaces with it, by qualified name -> the formula the class
   was checked to compute, or `{"when": {attribute: value}, "checked": ...}` where the class computes
   this activation only for those attribute values (nn.GELU's approximate);
@@ -79,6 +85,16 @@ class TorchForward:
 
 
 @dataclass(frozen=True)
+class Module:
+    """An entry's torch-compatible module class (see the module docstring, `module`)."""
+
+    cls: str
+    kwargs: tuple[tuple[str, Any], ...] = ()  # the constructor arguments that select this activation
+    ignored: tuple[tuple[str, Any], ...] = ()  # accepted for torch compatibility, with their defaults
+    why: tuple[tuple[str, str], ...] = ()  # argument -> why other values are not reproduced
+
+
+@dataclass(frozen=True)
 class Entry:
     name: str
     f: sympy.Expr  # in X
@@ -90,9 +106,14 @@ class Entry:
     right_decay: str | None = None  # formula text in y (fitting's floor family parses it)
     derivation: tuple[str, float] | None = None  # (base activation, scale)
     df_given: bool = field(default=False, compare=False)
-    module: tuple[str, tuple[tuple[str, Any], ...]] = ("", ())  # (class name, its keyword arguments)
+    module: Module = Module("")
     patch: tuple[tuple[str, tuple[tuple[str, Any], ...], str], ...] = ()  # (class, when, checked)
     functions: tuple[str, ...] = ()
+
+    @property
+    def functional(self) -> str:
+        """The name of its functional form: torch's function, or the activation's where torch has none."""
+        return self.torch.function or self.name
 
 
 @dataclass(frozen=True)
@@ -160,14 +181,29 @@ def _constants(doc: Any, where: str) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(doc.items()))
 
 
-def _module(doc: Any, where: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+def _module(doc: Any, where: str) -> Module:
     where = f"{where}: module"
-    if not (isinstance(doc, dict) and "class" in doc and set(doc) <= {"class", "kwargs"}):
-        raise SpecError(f'{where}: expected {{"class": name, "kwargs": {{...}}}}')
+    if not (isinstance(doc, dict) and "class" in doc and set(doc) <= {"class", "kwargs", "ignored", "why"}):
+        raise SpecError(
+            f'{where}: expected {{"class": name, "kwargs": {{...}}, "ignored": {{...}}, "why": {{...}}}}'
+        )
     cls = doc["class"]
-    if not (isinstance(cls, str) and cls.isidentifier() and cls.startswith("InvAct")):
-        raise SpecError(f"{where}: class must be an InvAct... name in invact.modules, got {cls!r}")
-    return cls, _constants(doc.get("kwargs", {}), f"{where}: kwargs")
+    if not (isinstance(cls, str) and cls.isidentifier() and cls.startswith("InvAct") and cls != "InvAct"):
+        raise SpecError(f"{where}: class must be a name InvAct<Something>, got {cls!r}")
+    kwargs = _constants(doc.get("kwargs", {}), f"{where}: kwargs")
+    ignored = _constants(doc.get("ignored", {}), f"{where}: ignored")
+    why = doc.get("why", {})
+    if not (
+        isinstance(why, dict)
+        and all(isinstance(v, str) and v.isascii() and v.isprintable() for v in why.values())
+    ):
+        raise SpecError(f"{where}: why must be an object of argument -> one line of printable ASCII")
+    names = {k for k, _ in kwargs}
+    if set(why) - names:
+        raise SpecError(f"{where}: why names {sorted(set(why) - names)}, which are not in kwargs")
+    if names & {k for k, _ in ignored} or "mode" in names | {k for k, _ in ignored}:
+        raise SpecError(f"{where}: an argument is both in kwargs and ignored, or is named mode")
+    return Module(cls, kwargs, ignored, tuple(sorted(why.items())))
 
 
 def _patch(doc: Any, where: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...], str], ...]:
@@ -267,11 +303,43 @@ def read(text: str, source: str = "activation spec") -> Spec:
                 raise SpecError(f"activation {entry.name!r}: patch: {cls} is claimed by {claimed[cls][0]!r} "
                                 "too, without a when to tell them apart")  # fmt: skip
             claimed[cls] = (entry.name, when)
+    _check_classes(entries)
     for entry in entries.values():
         if entry.derivation and entry.derivation[0] not in entries:
             base = entry.derivation[0]
             raise SpecError(f"activation {entry.name!r}: derivation base {base!r} is not in the spec")
     return Spec(entries, dict(skipped))
+
+
+def classes(entries: dict[str, Entry]) -> dict[str, list[Entry]]:
+    """Module class -> the entries it computes, in name order (the first gives the defaults)."""
+    out: dict[str, list[Entry]] = {}
+    for entry in entries.values():
+        out.setdefault(entry.module.cls, []).append(entry)
+    return out
+
+
+def _check_classes(entries: dict[str, Entry]) -> None:
+    """Entries sharing a class take the same arguments, are told apart by them, and share one
+    functional form; no two classes share a functional form."""
+    functional: dict[str, str] = {}
+    for cls, group in classes(entries).items():
+        first = group[0]
+        names = [e.name for e in group]
+        for e in group[1:]:
+            if {k for k, _ in e.module.kwargs} != {k for k, _ in first.module.kwargs} or (
+                e.module.ignored != first.module.ignored
+            ):
+                raise SpecError(
+                    f"activation {e.name!r}: module: {cls} takes other arguments in {first.name!r}"
+                )
+            if e.functional != first.functional:
+                raise SpecError(f"activation {e.name!r}: {cls}'s entries must share one torch function")
+        if len({e.module.kwargs for e in group}) != len(group):
+            raise SpecError(f"module {cls}: entries {names} have the same kwargs: nothing tells them apart")
+        if functional.setdefault(first.functional, cls) != cls:
+            other = functional[first.functional]
+            raise SpecError(f"module {cls}: its functional form {first.functional!r} is {other}'s too")
 
 
 def load(path: str | os.PathLike = SPEC) -> dict[str, Entry]:

@@ -4,20 +4,22 @@ Drop-in activations that save their output (which the next layer saves anyway) p
 element instead of their input, and compute the gradient from the output with a fitted
 approximation of f'(f^-1(y)). Imports torch alone; uses triton (CUDA) and numba (fast CPU
 backward) when installed.
+
+`InvAct(activation, mode)` serves any generated activation (invact.activations.ACTIVATIONS); the
+torch-compatible classes (InvActGELU, InvActSiLU, ...) take torch's constructor arguments.
 """
 
 from invact import functional, memory
-from invact.modules import InvActGELU, InvActMish, InvActQuickGELU, InvActSiLU, InvActSoftplus
+from invact._generated import modules as _generated_modules
+from invact._generated.modules import *  # noqa: F403 - the torch-compatible classes
+from invact.modules import InvAct
 from invact.ops import backend_for
 from invact.patch import patch, plan
 
 __version__ = "0.1.0"
 __all__ = [
-    "InvActGELU",
-    "InvActMish",
-    "InvActQuickGELU",
-    "InvActSiLU",
-    "InvActSoftplus",
+    *_generated_modules.__all__,
+    "InvAct",
     "backend_for",
     "functional",
     "memory",

@@ -1,101 +1,68 @@
-"""Drop-in nn.Modules: InvActGELU, InvActSiLU, InvActQuickGELU, InvActMish, InvActSoftplus."""
+"""InvAct as an nn.Module: `InvAct(activation, mode)` for any generated activation, and `select`,
+which the torch-compatible classes (InvActGELU, InvActSiLU, ... printed from the activation spec into
+invact/_generated/modules.py) use to pick their activation from torch's constructor arguments."""
 
 import torch
 from torch import nn
 
-from invact import functional
+from invact import _generated
+from invact.activations import ACTIVATIONS
+from invact.ops import MODES, invact
+
+# module class -> ((activation, the constructor arguments that select it), ...)
+_CLASSES: dict[str, list[tuple[str, dict]]] = {}
+for _activation, (_cls, _kwargs) in _generated.MODULES.items():
+    _CLASSES.setdefault(_cls, []).append((_activation, _kwargs))
 
 
-class _InvAct(nn.Module):
-    activation: str  # the registry name (invact.activations.ACTIVATIONS) of the function it computes
+def _values(values) -> str:
+    return " or ".join(repr(v) for v in values)
 
-    def __init__(self, mode: str = "bits") -> None:
+
+def select(cls: str, **given) -> str:
+    """The activation that module class `cls` computes with these constructor arguments. ValueError,
+    naming the first argument no activation of the class has and why, otherwise."""
+    options = _CLASSES[cls]
+    for activation, kwargs in options:
+        if all(given[k] == v for k, v in kwargs.items()):
+            return activation
+    for key, value in given.items():  # the first argument whose value no option has
+        allowed = [kwargs[key] for _, kwargs in options]
+        if value not in allowed:
+            why = _generated.WHY.get(cls, {}).get(key)
+            note = f" ({why})" if why else ""
+            raise ValueError(f"{key}={value!r}: {cls} reproduces {key}={_values(allowed)} only{note}")
+    combos = "; ".join(", ".join(f"{k}={v!r}" for k, v in kwargs.items()) for _, kwargs in options)
+    raise ValueError(
+        f"{cls} reproduces {combos} only, got " + ", ".join(f"{k}={v!r}" for k, v in given.items())
+    )
+
+
+class InvAct(nn.Module):
+    """y = f(x) for the activation `activation` (a name in invact.activations.ACTIVATIONS), saving y
+    and, unless f is monotone, one bit per element for backward instead of x. `mode`: "bits" (packed
+    bits, ceil(n/8) bytes) or "precision_bit" (the bit in y's lowest mantissa bit: y within 1 ulp of
+    torch's, no extra bytes). The torch-compatible classes (InvActGELU, ...) are this with torch's
+    constructor arguments."""
+
+    _ARGUMENTS: tuple[str, ...] = ()  # the constructor arguments a subclass shows in its repr
+
+    def __init__(self, activation: str, mode: str = "bits") -> None:
         super().__init__()
-        if mode not in ("bits", "precision_bit"):
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"unknown activation {activation!r} (choose from {', '.join(sorted(ACTIVATIONS))})"
+            )
+        if mode not in MODES:
             raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
-        self.mode = mode
+        self.activation, self.mode = activation, mode
+
+    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invact(x, self.activation, self.mode)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}"
-
-
-class InvActGELU(_InvAct):
-    """nn.GELU(approximate="none"|"tanh") that saves its output and one bit instead of its input."""
-
-    def __init__(self, approximate: str = "none", mode: str = "bits") -> None:
-        super().__init__(mode)
-        if approximate not in ("none", "tanh"):
-            raise ValueError(f"approximate argument must be either none or tanh, got {approximate!r}")
-        self.approximate = approximate
-
-    @property
-    def activation(self) -> str:
-        return "gelu" if self.approximate == "none" else "gelu_tanh"
-
-    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.gelu(x, self.approximate, self.mode)
-
-    def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}, {super().extra_repr()}"
-
-
-class InvActSiLU(_InvAct):
-    """nn.SiLU that saves its output and one bit instead of its input. `inplace` is accepted for
-    drop-in compatibility and ignored: InvAct never keeps the input, so it saves the memory anyway."""
-
-    activation = "silu"
-
-    def __init__(self, inplace: bool = False, mode: str = "bits") -> None:
-        super().__init__(mode)
-        self.inplace = inplace
-
-    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.silu(x, self.mode)
-
-
-class InvActQuickGELU(_InvAct):
-    """x * sigmoid(1.702 x) (CLIP's quick_gelu) that saves its output and one bit."""
-
-    activation = "quick_gelu"
-
-    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.quick_gelu(x, self.mode)
-
-
-class InvActMish(_InvAct):
-    """nn.Mish that saves its output and one bit instead of its input (`inplace` accepted and
-    ignored, as for InvActSiLU)."""
-
-    activation = "mish"
-
-    def __init__(self, inplace: bool = False, mode: str = "bits") -> None:
-        super().__init__(mode)
-        self.inplace = inplace
-
-    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.mish(x, self.mode)
-
-
-class InvActSoftplus(_InvAct):
-    """nn.Softplus that saves only its output: softplus is monotone, so no bit is stored. beta and
-    threshold must be torch's defaults, 1 and 20 (ValueError otherwise: softplus_unsupported says why)."""
-
-    activation = "softplus"
-
-    def __init__(self, beta: float = 1.0, threshold: float = 20.0, mode: str = "bits") -> None:
-        super().__init__(mode)
-        reason = functional.softplus_unsupported(beta, threshold)
-        if reason:
-            raise ValueError(reason)
-        self.beta, self.threshold = beta, threshold
-
-    @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.softplus(x, self.beta, self.threshold, self.mode)
-
-    def extra_repr(self) -> str:
-        return f"beta={self.beta!r}, threshold={self.threshold!r}, {super().extra_repr()}"
+        shown = [f"{k}={getattr(self, k)!r}" for k in self._ARGUMENTS]
+        if type(self) is InvAct:
+            shown = [repr(self.activation)]
+        return ", ".join([*shown, f"mode={self.mode!r}"])

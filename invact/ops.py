@@ -18,6 +18,7 @@ from invact import _bits, _cpu, _exact
 from invact.activations import ACTIVATIONS, Activation
 
 BACKENDS = ("torch", "triton")
+MODES = ("bits", "precision_bit")
 _EXACT_DTYPES = (torch.float64,)
 
 
@@ -243,7 +244,7 @@ def _functorch_wrapped(x: torch.Tensor) -> bool:
 
 def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor:
     """y = f(x), saving y and the branch bits for backward. `mode`: "bits" or "precision_bit"."""
-    if mode not in ("bits", "precision_bit"):
+    if mode not in MODES:
         raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
     act = ACTIVATIONS[activation]
     if not x.is_floating_point():

@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from invact import _generated, modules
+from invact import _generated
+from invact._generated import modules as _classes
 from invact.activations import ACTIVATIONS
-from invact.modules import _InvAct
+from invact.modules import InvAct
 
 log = logging.getLogger("invact")
 Factory = Callable[[nn.Module, str], nn.Module]
@@ -30,7 +31,7 @@ Factory = Callable[[nn.Module, str], nn.Module]
 def module_for(activation: str, mode: str) -> nn.Module:
     """The InvAct module that computes `activation` (its torch-compatible class, generated MODULES)."""
     cls, kwargs = _generated.MODULES[activation]
-    return getattr(modules, cls)(**kwargs, mode=mode)
+    return getattr(_classes, cls)(**kwargs, mode=mode)
 
 
 def _matches(module, when: dict) -> bool:
@@ -60,7 +61,7 @@ def _unsupported(options) -> Callable[[nn.Module], str | None]:
         cls, kwargs = _generated.MODULES[activation]
         given = {k: getattr(module, k, None) for k in when}
         try:
-            getattr(modules, cls)(**(kwargs | given))
+            getattr(_classes, cls)(**(kwargs | given))
         except (TypeError, ValueError) as e:
             return str(e)
         values = ", ".join(f"{k}={v!r}" for k, v in given.items())
@@ -157,7 +158,7 @@ def _static_risk(model: nn.Module, name: str, function_attribute: bool) -> str |
         return f"its module also holds Dropout(p > 0) ({', '.join(drops)}), which may follow it{RISK_HINT}"
     if isinstance(parent, nn.Sequential) and attr in names and names.index(attr) + 1 < len(names):
         after_name, after = children[names.index(attr) + 1]
-        if getattr(after, "inplace", False) is True and not isinstance(after, _InvAct):
+        if getattr(after, "inplace", False) is True and not isinstance(after, InvAct):
             return (f"the next module, {after_name} ({type(after).__name__}), works in place: it would "
                     "overwrite the output InvAct saves for backward")  # fmt: skip
         if after_name in drops:
@@ -186,7 +187,7 @@ def _candidates(model: nn.Module):
     for name, module in model.named_modules(remove_duplicate=False):
         cls = _qualname(module)
         yield name, cls, module, REPLACEABLE.get(cls), False
-        if cls in REPLACEABLE or cls in SKIPPED or isinstance(module, _InvAct) or _is_activation_like(module):
+        if cls in REPLACEABLE or cls in SKIPPED or isinstance(module, InvAct) or _is_activation_like(module):
             continue  # an activation module's own function (transformers' GELUActivation keeps F.gelu)
         for attr, value in vars(module).items():
             if callable(value) and any(value is f for f in FUNCTIONS):
@@ -213,7 +214,7 @@ def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", ex
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     found, decisions = [], []
     for name, cls, obj, factory, function_attribute in _candidates(model):
-        if isinstance(obj, _InvAct):
+        if isinstance(obj, InvAct):
             found.append(name)
             if obj.mode != mode and _selected(name, include, exclude):
                 decisions.append(Decision(name, cls, True, f"already InvAct: mode {obj.mode!r} -> {mode!r}"))
@@ -265,7 +266,7 @@ def patch(
             raise ValueError("the model itself is an activation: wrap it or use invact's modules directly")
         parent, attr = _parent(model, d.name)
         old = getattr(parent, attr)
-        if isinstance(old, _InvAct):
+        if isinstance(old, InvAct):
             old.mode = mode
         else:
             new = swapped.get(id(old)) if isinstance(old, nn.Module) else None  # a shared module stays shared

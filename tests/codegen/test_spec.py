@@ -69,7 +69,13 @@ GOOD = {"f": "x*sigmoid(x)", "torch": {"function": "silu"}, "module": {"class": 
         (GOOD | {"derivation": {"base": "nope", "scale": 2}}, "derivation base 'nope' is not in the spec"),
         (GOOD | {"monotone": "yes"}, "monotone must be true or false"),
         ({"f": "x", "torch": {"function": "silu"}}, "missing field 'module'"),
-        (GOOD | {"module": {"class": "os.system"}}, "class must be an InvAct... name"),
+        (GOOD | {"module": {"class": "os.system"}}, "class must be a name InvAct<Something>"),
+        (GOOD | {"module": {"class": "InvAct"}}, "class must be a name InvAct<Something>"),
+        (GOOD | {"module": {"class": "InvActX", "why": {"beta": "b"}}}, "why names ['beta'], which are not"),
+        (GOOD | {"module": {"class": "InvActX", "kwargs": {"a": 1}, "why": {"a": "x\nimport os"}}},
+         "why must be an object of argument -> one line"),
+        (GOOD | {"module": {"class": "InvActX", "kwargs": {"a": 1}, "ignored": {"a": 2}}}, "both in kwargs"),
+        (GOOD | {"module": {"class": "InvActX", "ignored": {"mode": 2}}}, "or is named mode"),
         (GOOD | {"module": {"class": "InvActX", "kwargs": {"a": [1]}}}, "a must be a finite number"),
         (GOOD | {"patch": {"Swish": "x"}}, "'Swish' is not a qualified class name"),
         (GOOD | {"patch": {"m.Swish": 3}}, "expected the checked formula"),
@@ -97,10 +103,25 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
         (json.dumps({"schema": spec.SCHEMA, "activations": {"a": GOOD | {"patch": {"m.S": "x"}},
                                                             "b": GOOD | {"patch": {"m.S": "x"}}}}),
          "m.S is claimed by 'a' too"),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {"a": GOOD, "b": GOOD}}),
+         "module InvActSiLU: entries ['a', 'b'] have the same kwargs"),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {
+            "a": GOOD | {"module": {"class": "InvActG", "kwargs": {"k": 1}}},
+            "b": GOOD | {"module": {"class": "InvActG", "kwargs": {"j": 1}}}}}),
+         "activation 'b': module: InvActG takes other arguments in 'a'"),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {
+            "a": GOOD | {"module": {"class": "InvActG", "kwargs": {"k": 1}}},
+            "b": GOOD | {"torch": {"function": "mish"},
+                         "module": {"class": "InvActG", "kwargs": {"k": 2}}}}}),
+         "activation 'b': InvActG's entries must share one torch function"),
+        (json.dumps({"schema": spec.SCHEMA, "activations": {
+            "a": GOOD, "b": GOOD | {"module": {"class": "InvActOther"}}}}),
+         "module InvActOther: its functional form 'silu' is InvActSiLU's too"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_one_line(text, message):
-    """(the last rows: a class both replaced and skipped, and one claimed twice without a when)"""
+    """(the last rows: a class both replaced and skipped, one claimed twice without a when, and module
+    classes whose entries cannot be told apart, take different arguments or clash in functional name)"""
     with pytest.raises(spec.SpecError) as info:
         spec.loads(text)
     assert message in str(info.value)

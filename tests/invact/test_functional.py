@@ -234,9 +234,12 @@ def test_softplus_saves_no_bit_and_rejects_what_it_cannot_reproduce():
         y, bits = torch.ops.invact.forward(x, "softplus", mode == "precision_bit")
         assert bits.numel() == 0 and torch.equal(y, F.softplus(x))  # monotone: y alone gives x
     assert "beta=1.0, threshold=20.0" in repr(invact.InvActSoftplus())
-    with pytest.raises(ValueError, match="beta=2.0: InvAct's softplus needs beta=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"beta=2.0: InvActSoftplus reproduces beta=1 only \(torch computes softplus\(beta x\)",
+    ):
         invact.InvActSoftplus(beta=2.0)
-    with pytest.raises(ValueError, match="threshold=5.0: InvAct's softplus is torch's default"):
+    with pytest.raises(ValueError, match="threshold=5.0: InvActSoftplus reproduces threshold=20 only"):
         invact.functional.softplus(x, threshold=5.0)
 
 
@@ -244,12 +247,24 @@ def test_modules_mirror_torch_constructors():
     assert isinstance(invact.InvActGELU(approximate="tanh"), torch.nn.Module)
     assert "approximate='tanh'" in repr(invact.InvActGELU("tanh"))
     invact.InvActSiLU(inplace=True)
-    with pytest.raises(ValueError, match="approximate argument must be either none or tanh"):
+    with pytest.raises(
+        ValueError, match="approximate='fast': InvActGELU reproduces approximate='none' or 'tanh' only"
+    ):
         invact.InvActGELU(approximate="fast")
     with pytest.raises(ValueError, match="mode must be 'bits' or 'precision_bit'"):
         invact.InvActQuickGELU(mode="sign")
     x = torch.randn(10, requires_grad=True)
     assert torch.equal(invact.InvActGELU("tanh")(x), F.gelu(x, approximate="tanh"))
+
+
+def test_generic_module_and_function_serve_every_activation():
+    x = torch.randn(64, requires_grad=True)
+    for name in NAMES:
+        assert repr(invact.InvAct(name, mode="precision_bit")) == f"InvAct({name!r}, mode='precision_bit')"
+        assert torch.equal(invact.InvAct(name)(x), ACTIVATIONS[name].torch_forward(x))
+        assert torch.equal(invact.functional.invact(x, name), ACTIVATIONS[name].torch_forward(x))
+    with pytest.raises(ValueError, match="unknown activation 'swish2' \\(choose from gelu, "):
+        invact.InvAct("swish2")
 
 
 def test_backend_override(monkeypatch):
