@@ -29,7 +29,7 @@ def invert(act: Activation, y: torch.Tensor, left: torch.Tensor | None) -> torch
 
 
 def _invert_monotone(act: Activation, y: torch.Tensor) -> torch.Tensor:
-    """The monotone case (softplus): f(x) >= x and f > 0, so the root lies in [-800, max(y, 0) + 1]."""
+    """The monotone case: f(x) >= x and f > 0, so the root lies in [-800, max(y, 0) + 1]."""
     y = torch.clamp_min(y, act.y_min)
     lo, hi = torch.full_like(y, _LEFT_END), torch.clamp_min(y, 0) + 1
     positive = torch.full_like(y, act.y_min >= 0, dtype=torch.bool)

@@ -60,7 +60,7 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
     mask = offs < n
     y_raw = tl.load(y_ptr + offs, mask=mask, other=0.0)
     y = y_raw.to(tl.float32)
-    if MONOTONE:  # one branch, no bit; q itself at y = +-inf (softplus: x = +-inf), NaN stays NaN
+    if MONOTONE:  # one branch, no bit; q itself at y = +-inf (x = +-inf), NaN stays NaN
         q = tl.where(y == y, QR(y), float("nan"))
     else:
         if PRECISION_BIT:

@@ -1,7 +1,7 @@
 """The activations InvAct reproduces, each resolved once to its generated module
 (invact/_generated/<name>.py, printed by codegen from the activation spec coeffs/activations.json and
 the coefficient file of its default family): torch's own forward, float64 f and f', the threshold
-T (bit 1 where x < T), y_min and q per branch. A monotone activation (softplus) has no T and no bit:
+T (bit 1 where x < T), y_min and q per branch. A monotone activation has no T and no bit:
 its one branch is "right"."""
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import torch
 from invact._generated import FAMILIES
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
-# torch's default softplus threshold: softplus(x) = x for x > 20 (spec: softplus's Triton formula)
-SOFTPLUS_THRESHOLD = 20.0
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 implementations (torch.compile traces them without graph breaks) and autograd.
 
 Saved for backward: y (the output: the next layer saves the same storage) and ceil(n/8) bytes of
-bits, or nothing extra in precision-bit mode or for a monotone activation (softplus). Backends:
+bits, or nothing extra in precision-bit mode or for a monotone activation. Backends:
 Triton for CUDA tensors, torch (with the numba kernel when installed) for CPU,
 INVACT_BACKEND=torch|triton to override. float64 takes the exact path (inversion in float64), so
 gradcheck holds.
@@ -142,7 +142,7 @@ def _backward_impl(
 def torch_backward(act: Activation, y, bits, dy, precision_bit: bool) -> torch.Tensor:
     """The portable backward from the generated torch functions (flat tensors, any device)."""
     y32 = y.float()
-    if act.monotone:  # q itself at y = +-inf (softplus: x = +-inf, as torch); NaN stays NaN
+    if act.monotone:  # q itself at y = +-inf (x = +-inf, as torch); NaN stays NaN
         q = torch.where(torch.isnan(y32), torch.nan, act.generated.q_right(y32))
     else:
         left = _bits.lsb(y) if precision_bit else _bits.unpack(bits, y.numel())

@@ -83,8 +83,16 @@ CONDITIONS: dict[str, Callable[[nn.Module], str | None]] = {
 
 # Activations deliberately left alone, with the reason.
 SKIPPED: dict[str, str] = dict(_generated.SKIPPED)
+# A module whose class name contains the name of a class in the tables (or "activation") is reported
+# when it is left alone: a user's own `MyGelu` is worth a log line.
 _ACTIVATION_LIKE = re.compile(
-    r"gelu|silu|swish|mish|relu|elu|tanh|sigmoid|softplus|activation", re.IGNORECASE
+    "|".join(
+        sorted(
+            {q.rpartition(".")[2].lower() for q in (*_generated.REPLACES, *_generated.SKIPPED)}
+            | {"activation"}
+        )
+    ),
+    re.IGNORECASE,
 )
 
 
