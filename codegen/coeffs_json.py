@@ -5,8 +5,9 @@ with sorted keys and `repr` floats, via a temporary file renamed into place, so 
 half-written file and the same content always gives the same bytes. Every validation error names the
 file and the field, e.g. ``coeffs/gelu/paper.json: branches.left.coefficients.c3: not a finite number``.
 
-A monotone activation's file has the one branch "right" and `"threshold": null` (no bit); any other
-file has the branches "left" and "right" and a finite threshold.
+A monotone activation's file has the one branch "right" and `"threshold": null` (no bit), and
+`"y_min": null` where f is unbounded below (leaky_relu: its infimum is -inf); any other file has the
+branches "left" and "right" and a finite threshold and y_min.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class CoeffFile:
     activation: str
     family: str
     threshold: float | None  # T: bit = 1 (left branch) where x < T; None: monotone, no bit
-    y_min: float  # f(T); a monotone f's infimum
+    y_min: float  # f(T); a monotone f's infimum (-inf where f is unbounded below)
     branches: dict[str, BranchCoeffs]
     provenance: dict[str, Any]
 
@@ -75,7 +76,7 @@ class CoeffFile:
             "activation": self.activation,
             "family": self.family,
             "threshold": self.threshold,
-            "y_min": self.y_min,
+            "y_min": None if self.y_min == -math.inf else self.y_min,  # JSON has no -inf
             "branches": {
                 name: {
                     "expression": b.expression,
@@ -163,7 +164,7 @@ def from_dict(doc: Any) -> CoeffFile:
         activation=_field(doc, "activation", str, ""),
         family=_field(doc, "family", str, ""),
         threshold=None if monotone else _field(doc, "threshold", float, ""),
-        y_min=_field(doc, "y_min", float, ""),
+        y_min=-math.inf if monotone and doc.get("y_min", 0) is None else _field(doc, "y_min", float, ""),
         branches=branches,
         provenance=_field(doc, "provenance", dict, ""),
     )

@@ -2,8 +2,8 @@
 How each is computed is the printers' business: codegen.printers (torch, Triton) and
 fitting.activations (float64 numpy).
 
-Beyond the coefficient files' sqrt, exp, log, Abs, Max, Min and Piecewise: erf, erfc, tanh, log1p,
-and three that sympy lacks, kept as functions so that sympy never rewrites them into forms that
+Beyond the coefficient files' sqrt, exp, expm1, log, Abs, Max, Min and Piecewise: erf, erfc, tanh,
+log1p, and three that sympy lacks, kept as functions so that sympy never rewrites them into forms that
 cancel (it turns erfc(-z) into 2 - erfc(z)), with derivatives that never cancel or overflow:
 
 - Phi(z), the standard normal CDF (1 + erf(z / sqrt 2)) / 2, derivative exp(-z^2 / 2) / sqrt(2 pi);

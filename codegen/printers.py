@@ -62,7 +62,7 @@ class _ElementwisePrinter(PythonCodePrinter):
             raise ValueError(f"{name}() has no {type(self).__name__[:-7]} form")
         return self.FUNCTIONS[name].format(self._print(expr.args[0]))
 
-    _print_erf = _print_erfc = _print_tanh = _print_log1p = _print_Function
+    _print_erf = _print_erfc = _print_tanh = _print_log1p = _print_expm1 = _print_Function
 
     def _fold(self, fn: str, args: tuple[sympy.Expr, ...]) -> str:
         text = self._print(args[0])
@@ -70,17 +70,22 @@ class _ElementwisePrinter(PythonCodePrinter):
             text = f"{fn}({text}, {self._print(a)})"
         return text
 
+    variable = "y"  # the function's argument (function_body sets it)
+
     def _print_Piecewise(self, expr: sympy.Piecewise) -> str:
         *rest, (last_value, last_cond) = expr.args
         if last_cond is not sympy.true:
             raise ValueError("Piecewise needs a final True branch to be printed elementwise")
-        text = self._print(last_value)
+        text = self._print_last_piece(last_value, [v for v, _ in rest])
         for value, cond in reversed(rest):
             text = self._select(self._print(cond), self._print(value), text)
         return text
 
     def _select(self, cond: str, if_true: str, if_false: str) -> str:
         return f"{self.WHERE}({cond}, {if_true}, {if_false})"
+
+    def _print_last_piece(self, value: sympy.Expr, others: list[sympy.Expr]) -> str:
+        return self._print(value)
 
 
 class TritonPrinter(_ElementwisePrinter):
@@ -90,6 +95,7 @@ class TritonPrinter(_ElementwisePrinter):
     FUNCTIONS = {
         "erf": "tl.erf({})",
         "log1p": "_log1p({})",  # a helper printed in the module (codegen.render)
+        "expm1": "_expm1({})",  # a helper printed in the module (codegen.render)
         "Phi": "(0.5 * (1.0 + tl.erf(0.7071067811865476 * ({}))))",
         "sigmoid": "(1.0 / (1.0 + tl.exp(-({}))))",
     }
@@ -110,6 +116,7 @@ class TorchPrinter(_ElementwisePrinter):
         "erfc": "torch.erfc({})",
         "tanh": "torch.tanh({})",
         "log1p": "torch.log1p({})",
+        "expm1": "torch.expm1({})",
         "Phi": "torch.special.ndtr({})",
         "sigmoid": "torch.sigmoid({})",
         "softplus": "_softplus({})",  # the math function, no threshold: a helper printed in the module
@@ -125,6 +132,13 @@ class TorchPrinter(_ElementwisePrinter):
 
     def _print_Max(self, expr: sympy.Max) -> str:
         return self._clamp(expr, "torch.maximum", "clamp_min")
+
+    def _print_last_piece(self, value: sympy.Expr, others: list[sympy.Expr]) -> str:
+        """A Piecewise of numbers alone (relu6's q) would be torch.where of Python floats, which is
+        float32 whatever y is: its last piece becomes a tensor like y, so the result has y's dtype."""
+        if value.is_number and all(v.is_number for v in others):
+            return f"torch.full_like({self.variable}, {self._print(value)})"
+        return self._print(value)
 
     def _print_Min(self, expr: sympy.Min) -> str:
         return self._clamp(expr, "torch.minimum", "clamp_max")
@@ -149,6 +163,7 @@ class ScalarPrinter(_ElementwisePrinter):
     whose versions vectorize (libm's do not)."""
 
     SQRT, EXP, LOG, ABS = "math.sqrt", "exp32", "log32", "abs"
+    FUNCTIONS = {"expm1": "(exp32({}) - F(1.0))"}  # fp32: its absolute error is one ulp of 1, as torch's
 
     def _literal(self, text: str) -> str:
         return f"F({text})"
@@ -192,6 +207,7 @@ def function_body(
         value = _hoist_power_bases(value, symbols, steps)
         steps.append((name, value))
     reduced = _hoist_power_bases(reduced, symbols, steps)
+    printer.variable = str(variable)
     lines = [f"{indent}{name} = {printer.doprint(value)}" for name, value in steps]
     lines.append(f"{indent}return {printer.doprint(reduced)}")
     return "\n".join(lines)

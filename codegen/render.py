@@ -83,6 +83,22 @@ def _log1p(u):
 '''
 
 
+def _float(v: float) -> str:
+    """A float as Python source: repr, except that -inf has none."""
+    return 'float("-inf")' if v == -float("inf") else repr(v)
+
+
+_EXPM1_TRITON = '''
+
+@triton.jit
+def _expm1(z):
+    """e^z - 1 without libdevice and without cancellation near z = 0: (w - 1) z / log(w) with w = e^z
+    corrects w's rounding (Kahan's trick); z itself where w rounds to 1, w - 1 where z is large."""
+    w = tl.exp(z)
+    return tl.where(w == 1.0, z, tl.where(tl.abs(z) > 0.5, w - 1.0, (w - 1.0) * (z / tl.log(w))))
+'''
+
+
 def _torch_forward(entry: spec.Entry) -> str:
     """torch_forward(x): what torch computes, to reproduce bitwise."""
     t = entry.torch
@@ -124,7 +140,7 @@ def render_torch(c: CoeffFile, sources: list[tuple[str, str]], entry: spec.Entry
     if c.monotone:
         split = f"""MONOTONE = True  # one branch ("right") for every x, no bit stored
 THRESHOLD = None
-Y_MIN = {c.y_min!r}  # inf f, the limit x -> -inf"""
+Y_MIN = {_float(c.y_min)}  # inf f, the limit x -> -inf"""
     else:
         split = f"""MONOTONE = False
 THRESHOLD = {c.threshold!r}  # T = argmin f; bit 1 (left branch) where x < T
@@ -201,13 +217,14 @@ def render_triton(c: CoeffFile, sources: list[tuple[str, str]], entry: spec.Entr
 {function_body(fold_constants(entry.triton), TritonPrinter(), variable=spec.X)}
 '''
     text = f"{forward}\n\n{_functions(c, TritonPrinter(), '', decorator=_TRITON_JIT)}"
+    helpers = (_LOG1P_TRITON if "_log1p(" in text else "") + (_EXPM1_TRITON if "_expm1(" in text else "")
     return f'''{_header(sources)}"""{title}"""
 
 import triton
 import triton.language as tl
 
 
-{text}{_LOG1P_TRITON if "_log1p(" in text else ""}'''
+{text}{helpers}'''
 
 
 def render_index(defaults: dict[str, str], the_spec: spec.Spec, sources: list[tuple[str, str]]) -> str:

@@ -7,7 +7,8 @@ which only builds a syntax tree and runs nothing; the tree is then walked, and e
 - a number literal (int or float; no complex, no strings, no bytes),
 - a name from the caller's allow-list (y, u, c0..cn, ...),
 - unary + or -, binary + - * / **,
-- a call, positional arguments only, of one of FUNCTIONS (sqrt, exp, log, Abs, Max, Min, Piecewise),
+- a call, positional arguments only, of one of FUNCTIONS (sqrt, exp, expm1, log, Abs, Max, Min,
+  Piecewise),
 - inside Piecewise only: (expression, condition) pairs, a condition being one comparison
   (< <= > >=) or ``True``.
 
@@ -26,10 +27,12 @@ import operator
 from collections.abc import Callable, Mapping
 
 import sympy
+from sympy.codegen.cfunctions import expm1
 
 FUNCTIONS: dict[str, Callable[..., sympy.Basic]] = {
     "sqrt": sympy.sqrt,
     "exp": sympy.exp,
+    "expm1": expm1,  # e^z - 1 without cancellation near z = 0 (softplus's exact q at tiny y)
     "log": sympy.log,
     "Abs": sympy.Abs,
     "Max": sympy.Max,

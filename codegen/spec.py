@@ -13,7 +13,8 @@ Schema `invact-activations/1`: {"schema", "about", "activations": {name: entry}}
 - `triton`: the fp32 forward of the Triton kernels, as a formula in x, where `f` uses a function with no
   Triton form (tanh, erfc, softplus) or needs torch's own cut-offs (softplus is x past 20); else `f`;
 - `monotone`: true for an increasing f: one branch, no bit (default false);
-- `exact_q`: f'(f^-1(y)) as a formula in y, where it has a closed form (the `exact` family);
+- `exact_q`: f'(f^-1(y)) as a formula in y, where it has a closed form (the `exact` family): one
+  formula for a monotone f, else `{"left": ..., "right": ...}`, one per branch (hardswish);
 - `right_decay`: k(y) with f' - 1 ~ exp(-k) as x -> inf (the `floor` family's right branch);
 - `derivation`: `{"base", "scale"}`, f(x) = base(scale x) / scale, so fits derive from the base's;
 - `module` (required): the runtime's torch-compatible module class (printed into
@@ -67,6 +68,12 @@ TORCH_FUNCTIONS: dict[str, set[str]] = {
     "silu": set(),
     "mish": set(),
     "softplus": {"beta", "threshold"},
+    "leaky_relu": {"negative_slope"},
+    "elu": {"alpha"},
+    "celu": {"alpha"},
+    "selu": set(),
+    "relu6": set(),
+    "hardswish": set(),
 }
 
 
@@ -102,7 +109,8 @@ class Entry:
     torch: TorchForward
     triton: sympy.Expr  # in X: the entry's `triton`, or f
     monotone: bool = False
-    exact_q: str | None = None  # formula text in y (fitting's exact family parses it)
+    # (branch, formula text in y) per branch: fitting's exact family parses them
+    exact_q: tuple[tuple[str, str], ...] | None = None
     right_decay: str | None = None  # formula text in y (fitting's floor family parses it)
     derivation: tuple[str, float] | None = None  # (base activation, scale)
     df_given: bool = field(default=False, compare=False)
@@ -146,11 +154,22 @@ def _entry(name: str, doc: Any) -> Entry:
     monotone = doc.get("monotone", False)
     if not isinstance(monotone, bool):
         raise SpecError(f"{where}: monotone must be true or false")
-    for key in ("exact_q", "right_decay"):
-        if key in doc:
-            formula(doc[key], f"{where}: {key}", Y)  # checked here; its readers parse the text again
-    if "exact_q" in doc and not monotone:
-        raise SpecError(f"{where}: exact_q is one formula in y, for a monotone activation only")
+    if "right_decay" in doc:
+        formula(doc["right_decay"], f"{where}: right_decay", Y)  # checked here; its reader parses it again
+    exact_q = None
+    if "exact_q" in doc:
+        given = doc["exact_q"]
+        branches = ("right",) if monotone else ("left", "right")
+        if monotone and isinstance(given, str):
+            exact_q = (("right", given),)
+        elif not monotone and isinstance(given, dict) and set(given) == set(branches):
+            exact_q = tuple((b, given[b]) for b in branches)
+        else:
+            expected = 'an object {"left": formula, "right": formula}'
+            expected = "one formula (monotone)" if monotone else expected
+            raise SpecError(f"{where}: exact_q must be {expected}")
+        for _, text in exact_q:
+            formula(text, f"{where}: exact_q", Y)  # checked here; the exact family parses it again
     derivation = None
     if "derivation" in doc:
         d = doc["derivation"]
@@ -163,7 +182,7 @@ def _entry(name: str, doc: Any) -> Entry:
     if "module" not in doc:
         raise SpecError(f"{where}: missing field 'module'")
     patch, functions = _patch(doc.get("patch", {}), where), _functions(doc.get("functions", []), where)
-    return Entry(name, f, df, _torch(doc["torch"], where), triton, monotone, doc.get("exact_q"),
+    return Entry(name, f, df, _torch(doc["torch"], where), triton, monotone, exact_q,
                  doc.get("right_decay"), derivation, df_given, _module(doc["module"], where), patch,
                  functions)  # fmt: skip
 

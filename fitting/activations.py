@@ -43,22 +43,24 @@ class Activation:
     # k(y) as a sympy string, with f'(x) - 1 ~ exp(-k(x)) as x -> +inf: the 'floor' family's right branch
     right_decay: str | None = None
     monotone: bool = False  # an increasing f: one branch ("right"), no bit
-    # f'(f^-1(y)) as a sympy string in y, where a closed form exists (monotone f): the 'exact' family
-    exact_q: str | None = None
+    # (branch, f'(f^-1(y)) as a sympy string in y) for each branch, where closed forms exist: the
+    # 'exact' family (a monotone f: the one branch "right")
+    exact_q: tuple[tuple[str, str], ...] | None = None
     derivation: Derivation | None = None
     threshold: float = field(init=False)  # T = argmin f; -inf when monotone
     y_min: float = field(init=False)  # f(T); inf f = f(-inf) when monotone
 
     def __post_init__(self) -> None:
-        if self.exact_q is not None and not self.monotone:
-            raise ValueError(f"{self.name}: exact_q is one expression, for a monotone activation only")
         t = -np.inf if self.monotone else _root_of_derivative(self.df)
         with np.errstate(invalid="ignore"):  # f(-inf) may be NaN (then the entry is rejected below)
             y_min = float(self.f(np.float64(t)))
-        if self.monotone and not (np.isfinite(y_min) and np.all(self.df(_MONOTONE_CHECK) >= 0)):
-            raise ValueError(f"{self.name}: monotone=True needs f' >= 0 and a finite f(-inf)")
+        # A monotone f's infimum may be -inf (leaky_relu); it may not be NaN or +inf.
+        if self.monotone and not (y_min < np.inf and np.all(self.df(_MONOTONE_CHECK) >= 0)):
+            raise ValueError(f"{self.name}: monotone=True needs f' >= 0 and f(-inf) < inf")
         object.__setattr__(self, "threshold", t)
         object.__setattr__(self, "y_min", y_min)
+        if self.exact_q is not None and tuple(b for b, _ in self.exact_q) != self.branches:
+            raise ValueError(f"{self.name}: exact_q needs one formula per branch {self.branches}")
 
     @property
     def branches(self) -> tuple[str, ...]:
@@ -89,6 +91,7 @@ _NUMPY = {
     "erf": special.erf,
     "erfc": special.erfc,
     "log1p": np.log1p,
+    "expm1": np.expm1,
     "sigmoid": special.expit,
     "softplus": lambda z: np.logaddexp(0.0, z),
 }

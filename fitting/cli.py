@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--codegen",
         action="store_true",
-        help="then regenerate invact/_generated/ (python -m codegen) from coeffs/defaults.json's families",
+        help="then regenerate invact/_generated/ (python -m codegen) from coeffs/defaults.json's families; "
+        "an activation not in defaults.json yet is added with this family (a new spec entry's one step)",
     )
     return parser
 
@@ -213,6 +214,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(str(e)) from None
     out = args.out or default_coeffs_dir() / args.activation / f"{args.family}.json"
     _check_writable(out, "output")
+    defaults_text = _defaults_with(args.activation, args.family, out) if args.codegen else None
     plot_format = _check_plot(args.plot) if args.plot else None
     start = None
     if args.init:
@@ -242,7 +244,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         if args.codegen:
             from codegen.__main__ import plan
 
-            regenerate = plan(replaced={out: text})
+            replaced = {out: text} | ({_defaults_path(): defaults_text} if defaults_text else {})
+            regenerate = plan(replaced=replaced)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, text)
@@ -251,11 +254,33 @@ def run(args: argparse.Namespace, console: Console) -> int:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(args.plot, image)
         print(f"plot written to {args.plot}")
+    if defaults_text is not None:
+        write_atomic(_defaults_path(), defaults_text)
+        print(f"added {args.activation!r}: {args.family!r} to {_defaults_path()}")
     if regenerate is not None:
         from codegen.__main__ import apply
 
         apply(regenerate)
     return 0
+
+
+def _defaults_path() -> Path:
+    return default_coeffs_dir() / "defaults.json"
+
+
+def _defaults_with(activation: str, family: str, out: Path) -> str | None:
+    """defaults.json's new text when `activation` is not in it yet (written to the default place,
+    coeffs/<activation>/<family>.json, which codegen reads), else None: an existing choice of family
+    is the user's, and --codegen never changes it."""
+    import json
+
+    defaults = json.loads(_defaults_path().read_text(encoding="utf-8"))
+    if activation in defaults:
+        return None
+    if out.resolve() != (default_coeffs_dir() / activation / f"{family}.json").resolve():
+        raise UsageError(f"{activation} is not in {_defaults_path()}: write it to the default place "
+                         "(no --out) so that --codegen can generate it")  # fmt: skip
+    return json.dumps(dict(sorted((defaults | {activation: family}).items())), indent=2) + "\n"
 
 
 def _report_console(width: int = 120) -> Console:

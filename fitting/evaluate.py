@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import sympy
+from sympy.codegen.cfunctions import expm1
 
 from codegen.coeffs_json import Y
 from fitting.activations import Activation
@@ -216,4 +217,6 @@ def _flops_of_tree(expression: sympy.Expr) -> int:
                 total += 2
         elif isinstance(node, (sympy.exp, sympy.log, sympy.Abs, sympy.Piecewise)):
             total += 1
+        elif isinstance(node, expm1):  # as computed in fp32: exp, then - 1
+            total += 2
     return total

@@ -107,6 +107,23 @@ def show_table(rows: Iterable[dict], columns: list[str], digits: int = 3) -> Non
 
 
 # --- notebook 01: approximation error -----------------------------------------------------------------
+def floor_ratios(rows: list[dict]) -> list[dict]:
+    """Per row of error_rows: linf_<dtype> / floor_<dtype>, how far a family is from its storage
+    floor. A floor of 0 (leaky_relu: q is a constant per sign of y, which rounding keeps) gives 0
+    where the error is 0 too, inf otherwise."""
+
+    dtypes = ("fp32", "fp16", "bf16")
+
+    def ratio(err: float, floor: float) -> float:
+        return err / floor if floor else (0.0 if err == 0 else float("inf"))
+
+    out = []
+    for r in rows:
+        ratios = {d: ratio(r[f"linf_{d}"], r[f"floor_{d}"]) for d in dtypes}
+        out.append({"file": r["file"], "branch": r["branch"]} | ratios)
+    return out
+
+
 def error_rows(a: Approximation, remeasure: bool) -> list[dict]:
     """Per branch: the JSON's errors and storage floors, plus linf re-measured from the expression."""
     rows = []

@@ -28,6 +28,8 @@ from fitting.activations import Activation
 Branch = Literal["left", "right"]
 _TABLE_POINTS = 4096
 _MAX_ITER = 200  # bisection alone needs at most ~1100 halvings across float64; Newton needs < 10
+_POLISH_STEPS = 2  # Newton steps on f - y after the log-residual solve of a positive monotone f
+_EDGE_STEPS = 64  # ulps target() steps off a flat piece at most (see there)
 _MONOTONE_LEFT_END = 700.0  # a monotone table starts at x = -700, where f is still a normal float64
 
 
@@ -115,8 +117,12 @@ def _solve(act: Activation, branch: Branch, y: np.ndarray) -> np.ndarray:
         w = np.where(inside & (s_b > s_a), (s_y - s_a) / (s_b - s_a), 0.5)
     x = xt[lo_i] + np.clip(w, 0.0, 1.0) * (xt[hi_i] - xt[lo_i])
     x = np.where(inside, x, 0.5 * (lo + hi))
+    # y is a table value: its x is the root. Needed where the root is the bracket's end and no
+    # relative tolerance is reached (y = 0 at x = 0: leaky_relu's 0.01 x, bisected toward 0 forever).
+    hit = inside & (ft[hi_i] == y)
+    x[hit] = xt[hi_i][hit]
 
-    active = np.arange(y.size)
+    active = np.flatnonzero(~hit)
     for _ in range(_MAX_ITER):
         if active.size == 0:
             break
@@ -135,6 +141,16 @@ def _solve(act: Activation, branch: Branch, y: np.ndarray) -> np.ndarray:
         active = active[~done]
     if active.size:
         raise RuntimeError(f"{act.name}/{branch}: inversion did not converge for {active.size} points")
+    if _positive(act):
+        # Solved in log f below y = 1, which leaves eps |log y| of relative error in y: harmless where
+        # x ~ log y (softplus's tail), 60 ulp where f is a power of x (relu2 at y = 1e-26). Newton
+        # steps on f - y remove it; each is kept only where it brings f(x) closer to y.
+        for _ in range(_POLISH_STEPS):
+            with np.errstate(all="ignore"):
+                fx = act.f(x)
+                xn = x - (fx - y) / act.df(x)
+                better = np.isfinite(xn) & (np.abs(act.f(xn) - y) < np.abs(fx - y))
+            x = np.where(better, xn, x)
     return x
 
 
@@ -168,6 +184,16 @@ def target(act: Activation, y: np.ndarray, branch: Branch) -> np.ndarray:
     x = invert(act, y, branch)
     with np.errstate(invalid="ignore", over="ignore"):
         t = act.df(x)
+        if not act.monotone:
+            # Next to a flat piece (hardswish: f = 0 for x < -3) a y between f's last two float64
+            # values there may invert to the flat side, whose f' = 0 is not f' at y: step toward T.
+            # Stepped ulp by ulp: the inversion ends within a few ulps of the root.
+            for _ in range(_EDGE_STEPS):
+                stuck = np.isfinite(x) & (t == 0) & (act.f(x) != np.asarray(y)) & (x != act.threshold)
+                if not stuck.any():
+                    break
+                x = np.where(stuck, np.nextafter(x, act.threshold), x)
+                t = np.where(stuck, act.df(x), t)
     return np.where(np.isneginf(x), 0.0, t)
 
 

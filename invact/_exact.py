@@ -62,6 +62,10 @@ def derivative_from_output(act: Activation, y: torch.Tensor, left: torch.Tensor 
     tells: y NaN (x NaN, or x = -inf, where f is -inf * 0), and for two branches y = +-inf as well
     (the fp32 kernels' rule); a monotone f's y = +-inf is x = +-inf, whose f' it returns."""
     y = y.double()
-    x = invert(act, y, left)
-    df = torch.where(torch.isneginf(x), torch.zeros_like(x), act.df(x))
+    if act.closed_form:  # q is f'(f^-1(y)) itself: evaluated in float64, exact to float64 rounding
+        gen = act.generated
+        df = gen.q_right(y) if left is None else torch.where(left, gen.q_left(y), gen.q_right(y))
+    else:
+        x = invert(act, y, left)
+        df = torch.where(torch.isneginf(x), torch.zeros_like(x), act.df(x))
     return torch.where(torch.isnan(y) if act.monotone else ~torch.isfinite(y), torch.nan, df)

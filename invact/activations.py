@@ -48,6 +48,11 @@ class Activation:
         return self.generated.MONOTONE
 
     @property
+    def closed_form(self) -> bool:
+        """q is f'(f^-1(y)) itself, in closed form (the `exact` family): no inversion needed."""
+        return self.generated.FAMILY == "exact"
+
+    @property
     def threshold(self) -> float | None:
         """T = argmin f; None for a monotone activation."""
         return self.generated.THRESHOLD

@@ -1,8 +1,8 @@
-"""The 'exact' family: f'(f^-1(y)) in closed form, with no coefficients, for a monotone activation.
+"""The 'exact' family: f'(f^-1(y)) in closed form on each branch, with no coefficients.
 
-A monotone f has one branch ("right") and no bit; where f'(f^-1(y)) has a closed form, the registry
-holds it as `Activation.exact_q` (softplus: 1 - exp(-y)) and this family is that expression. Nothing
-is fitted; the pipeline measures it like any family (its error is float64 rounding).
+Where f'(f^-1(y)) has a closed form, the spec holds it as `exact_q` (softplus: -expm1(-y) on its one
+branch; hardswish: one square root per branch) and this family is that expression. Nothing is
+fitted; the pipeline measures it like any family (its error is float64 rounding).
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ from fitting.families import BranchForm, Family, UnknownFamily, Y, register
 def exact(act: Activation) -> Family:
     if act.exact_q is None:
         raise UnknownFamily(
-            f"family 'exact' has no form for {act.name!r}: no closed form of f'(f^-1(y)) is registered "
-            "for it (Activation.exact_q, monotone activations only)"
+            f"family 'exact' has no form for {act.name!r}: no closed form of f'(f^-1(y)) is given "
+            "for it (exact_q in coeffs/activations.json)"
         )
-    expression = parse(act.exact_q, {"y": Y}, where=f"{act.name}: exact_q")
     return Family(
         "exact",
         act.name,
-        {"right": BranchForm(expression, {})},
+        {b: BranchForm(parse(q, {"y": Y}, where=f"{act.name}: exact_q {b}"), {}) for b, q in act.exact_q},
         published=False,
-        source=f"the registry's closed form of f'(f^-1(y)) for {act.name} (fitting/activations.py)",
+        source=f"the spec's closed form of f'(f^-1(y)) for {act.name} (coeffs/activations.json)",
     )

@@ -107,7 +107,7 @@ def test_left_first_piece_is_the_left_branch_where_it_holds(activation):
     # must hold near the cusp and fail in the far tail.
     gen = importlib.import_module(f"invact._generated.{activation}_cpu")
     act = ACTIVATIONS[activation]
-    ys = np.float32(act.y_min) * np.linspace(1.0, 1e-6, 200, dtype=np.float32)  # the left branch's range
+    ys = np.float32(act.y_min) * np.geomspace(1.0, 1e-9, 200, dtype=np.float32)  # the left branch's range
     holds = [bool(gen.left_first_holds(y)) for y in ys]
     assert holds[0] and not holds[-1]
     for y, h in zip(ys, holds, strict=True):

@@ -14,7 +14,9 @@ from fitting.activations import ACTIVATIONS, get_activation
 from fitting.evaluate import FORMATS, dtype_eval_points
 from fitting.targets import target
 
-FP32_EVALUATION = 1e-6  # measured worst excess over the float64 error: 7.4e-7 (silu right, y = 1)
+# Measured worst excess over the float64 error: 7.4e-7 (silu right, y = 1), where |q| <= 1.13. Rounding
+# is relative, so where q grows past 1 (relu2's 2 sqrt(y) reaches 40) the bound is this times |q|.
+FP32_EVALUATION = 1e-6
 PAIRS = [(name, branch) for name in sorted(ACTIVATIONS) for branch in ACTIVATIONS[name].branches]
 
 
@@ -24,5 +26,6 @@ def test_fp32_evaluation_stays_within_the_recorded_error(name, branch):
     generated = importlib.import_module(f"invact._generated.{name}")
     y = dtype_eval_points(act, branch, FORMATS["fp32"])  # fp32 values: the lattice at the cusp and more
     q32 = getattr(generated, f"q_{branch}")(torch.tensor(y, dtype=torch.float32)).double().numpy()
-    err = np.abs(q32 - target(act, y, branch)).max()
-    assert err <= generated.ERRORS[branch]["linf_fp32"] + FP32_EVALUATION, err
+    exact = target(act, y, branch)
+    err = (np.abs(q32 - exact) - FP32_EVALUATION * np.maximum(np.abs(exact), 1)).max()
+    assert err <= generated.ERRORS[branch]["linf_fp32"], err

@@ -1,5 +1,7 @@
 """The registry against mpmath at 30 digits: f, f', T and y_min."""
 
+import re
+
 import mpmath as mp
 import numpy as np
 import pytest
@@ -24,7 +26,32 @@ def _mp_f(name: str, x):
         return x * mp.tanh(mp.log1p(mp.exp(x)))
     if name == "softplus":
         return mp.log1p(mp.exp(x))
+    if name in _PIECEWISE:
+        return _PIECEWISE[name][0](x)
     raise KeyError(name)
+
+
+_SELU_SCALE, _SELU_ALPHA = (
+    mp.mpf("1.0507009873554804934193349852946"),
+    mp.mpf("1.6732632423543772848170429916717"),
+)
+# Piecewise activations: (f, f') written out, f' with torch's choice at each kink (a numerical
+# derivative there would average the two sides).
+_PIECEWISE = {
+    "relu2": (lambda x: x * x if x > 0 else mp.mpf(0), lambda x: 2 * x if x > 0 else mp.mpf(0)),
+    "leaky_relu": (lambda x: x if x > 0 else x / 100, lambda x: mp.mpf(1) if x > 0 else mp.mpf(1) / 100),
+    "elu": (lambda x: x if x > 0 else mp.expm1(x), lambda x: mp.mpf(1) if x > 0 else mp.exp(x)),
+    "celu": (lambda x: x if x > 0 else mp.expm1(x), lambda x: mp.mpf(1) if x > 0 else mp.exp(x)),
+    "selu": (lambda x: _SELU_SCALE * (x if x > 0 else _SELU_ALPHA * mp.expm1(x)),
+             lambda x: _SELU_SCALE * (1 if x > 0 else _SELU_ALPHA * mp.exp(x))),
+    "relu6": (lambda x: min(max(x, 0), 6), lambda x: mp.mpf(1) if 0 < x < 6 else mp.mpf(0)),
+    "hardswish": (lambda x: mp.mpf(0) if x < -3 else x * (x + 3) / 6 if x <= 3 else x,
+                  lambda x: mp.mpf(0) if x < -3 else x / 3 + mp.mpf(1) / 2 if x <= 3 else mp.mpf(1)),
+}  # fmt: skip
+
+
+def _mp_df(name: str, x):
+    return _PIECEWISE[name][1](x) if name in _PIECEWISE else mp.diff(lambda t: _mp_f(name, t), x)
 
 
 X = np.concatenate([np.linspace(-30, 30, 241), [-0.75, -1.28, -1e-3, 1e-3]])
@@ -40,7 +67,7 @@ def test_f_and_derivative_match_mpmath(name):
     worst_f = worst_df_abs = worst_df_tail = 0.0
     for x in X:
         xm = mp.mpf(float(x))
-        f_ref, df_ref = _mp_f(name, xm), mp.diff(lambda t: _mp_f(name, t), xm)
+        f_ref, df_ref = _mp_f(name, xm), _mp_df(name, xm)
         # f's error in ulp, over its condition number 1 + |x f'/f| (quick_gelu rounds 1.702 x first).
         if abs(f_ref) > 1e-300:  # below, f is subnormal and its relative error means nothing
             cond = 1 + abs(float(xm * df_ref / f_ref))
@@ -64,7 +91,7 @@ TWO_BRANCH = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone)
 @pytest.mark.parametrize("name", TWO_BRANCH)
 def test_threshold_is_the_root_of_the_derivative(name):
     act = ACTIVATIONS[name]
-    t_ref = mp.findroot(lambda t: mp.diff(lambda u: _mp_f(name, u), t), act.threshold)
+    t_ref = mp.findroot(lambda t: _mp_df(name, t), act.threshold)
     assert abs(act.threshold - float(t_ref)) <= 1e-14
     assert _ulps(act.y_min, _mp_f(name, t_ref)) <= 4  # f(T) in float64: measured 2 ulp for GELU
 
@@ -93,19 +120,24 @@ def test_monotone_entry_has_one_branch_and_its_infimum():
     # exact_q is f'(f^-1(y)): at x, with y = f(x), it equals f'(x). Measured 1.1e-16 (ulp(1)/2) on this
     # grid; twice that allowed. Any wrong closed form is off by far more.
     x = np.linspace(-30, 30, 601)
-    q = sympy.lambdify(sympy.Symbol("y"), sympy.sympify(act.exact_q))(act.f(x))
+    ((_, text),) = act.exact_q
+    expression = sympy.sympify(text.replace("expm1", "_e"))  # sympify does not know expm1
+    q = sympy.lambdify(sympy.Symbol("y"), expression, {"_e": np.expm1})(act.f(x))
     np.testing.assert_allclose(q, act.df(x), rtol=0, atol=2.3e-16)
 
 
 def test_registry_rejects_inconsistent_entries():
     silu = get_activation("silu")
-    with pytest.raises(ValueError, match="exact_q is one expression, for a monotone activation only"):
-        Activation("bad", silu.f, silu.df, "x", exact_q="1")
+    with pytest.raises(ValueError, match=r"exact_q needs one formula per branch \('left', 'right'\)"):
+        Activation("bad", silu.f, silu.df, "x", exact_q=(("right", "1"),))
     # SiLU decreases left of T: it is not monotone, and saying so must fail.
-    with pytest.raises(ValueError, match=r"monotone=True needs f' >= 0 and a finite f\(-inf\)"):
+    with pytest.raises(ValueError, match=r"monotone=True needs f' >= 0 and f\(-inf\) < inf"):
         Activation("bad", silu.f, silu.df, "x", monotone=True)
 
 
 def test_unknown_activation_message_lists_choices():
-    with pytest.raises(UnknownActivation, match="unknown activation 'relu6' \\(choose from gelu, gelu_tanh"):
-        get_activation("relu6")
+    choices = ", ".join(sorted(ACTIVATIONS))
+    with pytest.raises(
+        UnknownActivation, match=re.escape(f"unknown activation 'swish2' (choose from {choices})")
+    ):
+        get_activation("swish2")

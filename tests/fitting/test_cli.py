@@ -15,6 +15,7 @@ import fitting.pipeline
 import fitting.plot
 from codegen.coeffs_json import load
 from codegen.render import COEFFS, ROOT
+from fitting.activations import ACTIVATIONS
 from fitting.cli import MAX_SEED, _start_from, main
 from fitting.families import FAMILIES, get_family
 
@@ -30,13 +31,13 @@ def _run(*args):
     [
         (
             ["relu", "--family", "paper"],
-            "unknown activation 'relu' (choose from gelu, gelu_tanh, mish, quick_gelu, silu, softplus)",
+            f"unknown activation 'relu' (choose from {', '.join(sorted(ACTIVATIONS))})",
         ),
         (["gelu", "--family", "magic"], "unknown family 'magic' (choose from exact, floor, paper, search)"),
         (
             ["gelu", "--family", "exact"],
-            "family 'exact' has no form for 'gelu': no closed form of f'(f^-1(y)) is registered for it "
-            "(Activation.exact_q, monotone activations only)",
+            "family 'exact' has no form for 'gelu': no closed form of f'(f^-1(y)) is given for it "
+            "(exact_q in coeffs/activations.json)",
         ),
         *(
             (
@@ -106,7 +107,7 @@ def test_monotone_exact_fit_writes_one_branch_byte_identically(tmp_path):
     coeffs = load(out)
     assert coeffs.threshold is None and coeffs.monotone and list(coeffs.branches) == ["right"]
     right = coeffs.branches["right"]
-    assert (right.expression, right.coefficients, right.flops) == ("1 - exp(-y)", {}, 4)
+    assert (right.expression, right.coefficients, right.flops) == ("-expm1(-y)", {}, 4)
     assert coeffs.provenance["selected"] == {"right": "exact"}
     # A closed form: float64 rounding only (measured linf 2.2e-16), far below the fp32 floor (2.2e-8).
     assert right.errors["linf_fp32"] <= 1e-15 < right.storage_floor["fp32"]
@@ -123,6 +124,37 @@ def test_codegen_flag_regenerates_the_runtime_modules(tmp_path, monkeypatch, cap
     written = sorted(p.name for p in (tmp_path / "generated").iterdir())
     assert "silu_triton.py" in written and "gelu_cpu.py" in written and "__init__.py" in written
     assert "wrote invact/_generated/silu.py" in capsys.readouterr().out
+
+
+def test_codegen_adds_a_new_activation_to_the_defaults(tmp_path, monkeypatch, capsys):
+    """A spec entry's second step: `invact-fit NAME --family exact --codegen` writes its coefficient
+    file, adds it to defaults.json and generates it (here relu6, removed first from a copy of coeffs/)."""
+    import codegen.__main__ as codegen_main
+    import fitting.cli
+
+    coeffs = tmp_path / "coeffs"
+    shutil.copytree(COEFFS, coeffs)
+    shutil.rmtree(coeffs / "relu6")
+    defaults = json.loads((coeffs / "defaults.json").read_text())
+    del defaults["relu6"]
+    (coeffs / "defaults.json").write_text(json.dumps(defaults))
+    monkeypatch.setattr(fitting.cli, "default_coeffs_dir", lambda: coeffs)
+    monkeypatch.setattr(codegen_main, "COEFFS", coeffs)
+    monkeypatch.setattr(codegen_main, "GENERATED", tmp_path / "generated")
+    assert main(["relu6", "--family", "exact", "--codegen"]) == 0
+    assert json.loads((coeffs / "defaults.json").read_text())["relu6"] == "exact"
+    assert (coeffs / "relu6" / "exact.json").read_bytes() == (COEFFS / "relu6" / "exact.json").read_bytes()
+
+    def body(path):  # without the header naming the source files, whose folder differs
+        return [line for line in path.read_text().splitlines() if not line.startswith("# source:")]
+
+    assert body(tmp_path / "generated" / "relu6.py") == body(ROOT / "invact" / "_generated" / "relu6.py")
+    assert "added 'relu6': 'exact'" in capsys.readouterr().out
+    # written elsewhere, it could not be generated: refused before any work, in one line
+    del defaults["elu"]
+    (coeffs / "defaults.json").write_text(json.dumps(defaults))
+    assert main(["elu", "--family", "exact", "--codegen", "--out", str(tmp_path / "elu.json")]) == 2
+    assert "elu is not in" in capsys.readouterr().err and not (tmp_path / "elu.json").exists()
 
 
 # --- bad values fail at once, in one line ------------------------------------------------------------

@@ -36,9 +36,14 @@ def test_per_sample_gradients_with_vmap(name):
     xs = torch.randn(4, 33) * 3
     per_sample = vmap(grad(_total(name)))(xs)
     one_by_one = torch.stack([grad(_total(name))(x) for x in xs])
-    assert torch.equal(per_sample, one_by_one)  # the same ops, batched: bitwise
+    # The same ops, batched: bitwise, except where torch's own forward is not (its vectorized loop
+    # and its scalar tail round softplus differently: a row of 33 ends in the tail, the batch does not).
+    forward = ACTIVATIONS[name].torch_forward
+    same_y = forward(xs) == torch.stack([forward(x) for x in xs])
+    assert torch.equal(per_sample[same_y], one_by_one[same_y])
     transposed = vmap(grad(_total(name)), in_dims=1)(xs.T.contiguous())
-    assert torch.equal(transposed, one_by_one)
+    same_y &= forward(xs.T.contiguous()).T == torch.stack([forward(x) for x in xs])
+    assert torch.equal(transposed[same_y], one_by_one[same_y])
 
 
 def test_vmap_saves_the_output_and_bits_not_the_input():
