@@ -104,10 +104,10 @@ def _torch_forward(entry: spec.Entry) -> str:
     t = entry.torch
     if t.function is not None:
         args = "".join(f", {k}={v!r}" for k, v in t.kwargs)
-        body, what = (
-            f"    return torch.nn.functional.{t.function}(x{args})",
-            f"torch.nn.functional.{t.function}",
-        )
+        call, what = f"torch.nn.functional.{t.function}(x{args})", f"torch.nn.functional.{t.function}"
+        if t.clamp:
+            call, what = f"torch.clamp({call}, {t.clamp[0]!r}, {t.clamp[1]!r})", f"torch.clamp of {what}"
+        body = f"    return {call}"
     else:
         body, what = (
             function_body(t.formula, TorchPrinter(), variable=spec.X),

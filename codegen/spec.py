@@ -8,15 +8,18 @@ Schema `invact-activations/1`: {"schema", "about", "activations": {name: entry}}
   overflow to NaN);
 - `df`: f' in x, where sympy's derivative of `f` would cancel or overflow; else derived;
 - `torch` (required): the forward torch computes, which InvAct reproduces bitwise:
-  `{"function": a name in torch.nn.functional, "kwargs": {...}}`, or `{"formula": a formula in x}`
-  printed with torch's functions;
+  `{"function": a name in torch.nn.functional, "kwargs": {...}}` (and `"clamp": [lo, hi]`, torch.clamp
+  of its result), or `{"formula": a formula in x}` printed with torch's functions;
 - `triton`: the fp32 forward of the Triton kernels, as a formula in x, where `f` uses a function with no
   Triton form (tanh, erfc, softplus) or needs torch's own cut-offs (softplus is x past 20); else `f`;
 - `monotone`: true for an increasing f: one branch, no bit (default false);
 - `exact_q`: f'(f^-1(y)) as a formula in y, where it has a closed form (the `exact` family): one
   formula for a monotone f, else `{"left": ..., "right": ...}`, one per branch (hardswish);
 - `right_decay`: k(y) with f' - 1 ~ exp(-k) as x -> inf (the `floor` family's right branch);
-- `derivation`: `{"base", "scale"}`, f(x) = base(scale x) / scale, so fits derive from the base's;
+- `derivation`: `{"base", "scale", "clip"}`, f(x) = clip(base(scale x) / scale, lo, hi) with `scale`
+  (default 1) and `clip` ([lo, hi], default none) optional, so fits derive from the base's: q is the
+  base's q(scale y), and 0 where y is clipped (a flat piece; torch's clamp passes the gradient on the
+  bounds themselves, which y cannot tell from beyond them);
 - `module` (required): the runtime's torch-compatible module class (printed into
   invact/_generated/modules.py with its functional form) and the keyword arguments that select this
   activation: `{"class": "InvActGELU", "kwargs": {"approximate": "tanh"}}`. Optional: `ignored`,
@@ -89,6 +92,7 @@ class TorchForward:
     function: str | None = None
     kwargs: tuple[tuple[str, Any], ...] = ()
     formula: sympy.Expr | None = None
+    clamp: tuple[float, float] | None = None  # torch.clamp(function(x), lo, hi)
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,8 @@ class Entry:
     # (branch, formula text in y) per branch: fitting's exact family parses them
     exact_q: tuple[tuple[str, str], ...] | None = None
     right_decay: str | None = None  # formula text in y (fitting's floor family parses it)
-    derivation: tuple[str, float] | None = None  # (base activation, scale)
+    # (base activation, scale, (lo, hi) or None)
+    derivation: tuple[str, float, tuple[float, float] | None] | None = None
     df_given: bool = field(default=False, compare=False)
     module: Module = Module("")
     patch: tuple[tuple[str, tuple[tuple[str, Any], ...], str], ...] = ()  # (class, when, checked)
@@ -120,8 +125,9 @@ class Entry:
 
     @property
     def functional(self) -> str:
-        """The name of its functional form: torch's function, or the activation's where torch has none."""
-        return self.torch.function or self.name
+        """The name of its functional form: torch's function, or the activation's where torch has
+        none or clamps its result (gelu_10)."""
+        return self.torch.function if self.torch.function and not self.torch.clamp else self.name
 
 
 @dataclass(frozen=True)
@@ -173,11 +179,15 @@ def _entry(name: str, doc: Any) -> Entry:
     derivation = None
     if "derivation" in doc:
         d = doc["derivation"]
-        scale = d.get("scale") if isinstance(d, dict) else None
+        scale = d.get("scale", 1) if isinstance(d, dict) else None
         positive = isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
-        if not (positive and set(d) == {"base", "scale"} and isinstance(d["base"], str)):
-            raise SpecError(f'{where}: derivation must be {{"base": name, "scale": a positive number}}')
-        derivation = (d["base"], float(d["scale"]))
+        clip = d.get("clip") if isinstance(d, dict) else None
+        if not (positive and isinstance(d.get("base"), str) and set(d) <= {"base", "scale", "clip"}) or (
+            clip is not None and not _bounds(clip)
+        ):
+            raise SpecError(f'{where}: derivation must be {{"base": name, "scale": a positive number, '
+                            '"clip": [lo, hi]}} (scale and clip optional)')  # fmt: skip
+        derivation = (d["base"], float(scale), None if clip is None else (float(clip[0]), float(clip[1])))
     triton = formula(doc["triton"], f"{where}: triton") if "triton" in doc else f
     if "module" not in doc:
         raise SpecError(f"{where}: missing field 'module'")
@@ -185,6 +195,13 @@ def _entry(name: str, doc: Any) -> Entry:
     return Entry(name, f, df, _torch(doc["torch"], where), triton, monotone, exact_q,
                  doc.get("right_decay"), derivation, df_given, _module(doc["module"], where), patch,
                  functions)  # fmt: skip
+
+
+def _bounds(v: Any) -> bool:
+    """[lo, hi]: two finite numbers, lo < hi."""
+    ok = isinstance(v, list) and len(v) == 2
+    ok = ok and all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in v)
+    return ok and v[0] < v[1]
 
 
 def _constants(doc: Any, where: str) -> tuple[tuple[str, Any], ...]:
@@ -273,8 +290,11 @@ def _torch(doc: Any, where: str) -> TorchForward:
             raise SpecError(f"{where}: a formula takes no other field")
         return TorchForward(formula=formula(doc["formula"], f"{where}: formula"))
     function, kwargs = doc["function"], doc.get("kwargs", {})
-    if set(doc) - {"function", "kwargs"}:
-        raise SpecError(f"{where}: unknown field(s) {sorted(set(doc) - {'function', 'kwargs'})}")
+    if set(doc) - {"function", "kwargs", "clamp"}:
+        raise SpecError(f"{where}: unknown field(s) {sorted(set(doc) - {'function', 'kwargs', 'clamp'})}")
+    clamp = doc.get("clamp")
+    if clamp is not None and not _bounds(clamp):
+        raise SpecError(f"{where}: clamp must be [lo, hi], two finite numbers with lo < hi")
     if function not in TORCH_FUNCTIONS:
         raise SpecError(f"{where}: function {function!r} is not one of {', '.join(sorted(TORCH_FUNCTIONS))}")
     if not isinstance(kwargs, dict):
@@ -286,7 +306,8 @@ def _torch(doc: Any, where: str) -> TorchForward:
             isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         ):
             raise SpecError(f"{where}: {key} must be a finite number or a name, got {value!r}")
-    return TorchForward(function=function, kwargs=tuple(sorted(kwargs.items())))
+    clamp = None if clamp is None else (float(clamp[0]), float(clamp[1]))
+    return TorchForward(function=function, kwargs=tuple(sorted(kwargs.items())), clamp=clamp)
 
 
 def loads(text: str, source: str = "activation spec") -> dict[str, Entry]:

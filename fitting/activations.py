@@ -27,10 +27,12 @@ _MONOTONE_CHECK = np.linspace(-20.0, 20.0, 4001)  # where a monotone entry's f' 
 
 @dataclass(frozen=True)
 class Derivation:
-    """f(x) = base(a*x) / a, so f'(x) = base'(a*x), f^-1(y) = base^-1(a*y) / a and q(y) = q_base(a*y)."""
+    """f(x) = base(a*x) / a, so f'(x) = base'(a*x), f^-1(y) = base^-1(a*y) / a and q(y) = q_base(a*y);
+    with `clip` = (lo, hi) f is clipped to [lo, hi] and f' = 0 at and past the bounds (_clipped)."""
 
     base: str
     scale: float
+    clip: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,18 @@ def numpy_function(expr, symbol=spec.X) -> Callable[[Array], Array]:
     return evaluate
 
 
+def _clipped(f, df, lo: float, hi: float):
+    """clip(f, lo, hi) and its derivative, 0 where f is at or past a bound. torch's clamp passes the
+    gradient on the bounds themselves, but y there cannot tell a bound from beyond it, where the
+    gradient is 0 (gelu_10: x = 10 exactly against every x > 10): InvAct's q and this agree on 0."""
+
+    def clipped_df(x):
+        fx = f(x)
+        return np.where((fx > lo) & (fx < hi), df(x), 0.0)
+
+    return (lambda x: np.clip(f(x), lo, hi)), clipped_df
+
+
 def _registry(entries: dict[str, spec.Entry]) -> dict[str, Activation]:
     """name -> Activation: f and f' printed from the spec's formulas (f' from its df, or sympy's
     derivative of f). A derived entry computes them from its base, f(x) = base(a x) / a and
@@ -122,6 +136,8 @@ def _registry(entries: dict[str, spec.Entry]) -> dict[str, Activation]:
             base, a = entries[derivation.base], derivation.scale
             base_f, base_df = numpy_function(base.f), numpy_function(base.df)
             f, df = (lambda x, g=base_f, a=a: g(a * x) / a), (lambda x, g=base_df, a=a: g(a * x))
+            if derivation.clip:
+                f, df = _clipped(f, df, *derivation.clip)
         out[name] = Activation(name, f, df, e.right_decay, e.monotone, e.exact_q, derivation)
     return out
 

@@ -10,6 +10,7 @@ A monotone activation has one branch ("right") and only families registered with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,17 +92,32 @@ def require_two_branches(name: str, act: Activation) -> None:
         )
 
 
-def derive(base: Family, activation: str, scale: float) -> Family:
-    """The family of f(x) = base(a x)/a: q(y) = q_base(a y), same coefficients."""
+def derive(
+    base: Family,
+    activation: str,
+    scale: float,
+    clip: tuple[float, float] | None = None,
+    y_min: float = -math.inf,
+) -> Family:
+    """The family of f(x) = base(a x)/a: q(y) = q_base(a y), same coefficients. Clipped to [lo, hi]:
+    q = 0 where y is at or past a bound: hi on the right branch, lo where f reaches it (lo > y_min)."""
     a = sympy.Float(scale, 17)
+
+    def form(branch: str, expression: sympy.Expr) -> sympy.Expr:
+        q = expression.subs(Y, a * Y) if scale != 1 else expression
+        if clip is None:
+            return q
+        lo, hi = (sympy.Float(b, 17) for b in clip)
+        flat = ([(0, Y >= hi)] if branch == "right" else []) + ([(0, Y <= lo)] if clip[0] > y_min else [])
+        return sympy.Piecewise(*flat, (q, True)) if flat else q
+
     return Family(
         name=base.name,
         activation=activation,
-        branches={
-            k: BranchForm(b.expression.subs(Y, a * Y), dict(b.start)) for k, b in base.branches.items()
-        },
+        branches={k: BranchForm(form(k, b.expression), dict(b.start)) for k, b in base.branches.items()},
         published=base.published,
-        source=f"{base.source}; derived from {base.activation} with y -> {scale!r}*y",
+        source=f"{base.source}; derived from {base.activation} with y -> {scale!r}*y"
+        + (f", clipped to {list(clip)}" if clip else ""),
         fitted_on=base.activation,
     )
 
@@ -117,9 +133,9 @@ def get_family(name: str, activation: str) -> Family:
         raise UnknownFamily(f"unknown family {name!r} (choose from {', '.join(family_names())})")
     act = get_activation(activation)
     require_two_branches(name, act)
-    if act.derivation is not None and name not in NATIVE:
-        base = get_family(name, act.derivation.base)
-        return derive(base, activation, act.derivation.scale)
+    if act.derivation is not None and (name not in NATIVE or act.derivation.clip):
+        base = get_family(name, act.derivation.base)  # a clipped activation's q is always its base's
+        return derive(base, activation, act.derivation.scale, act.derivation.clip, act.y_min)
     return FAMILIES[name](act)
 
 

@@ -26,7 +26,12 @@ def test_the_registry_is_the_spec():
     assert sorted(ACTIVATIONS) == NAMES
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if ENTRIES[n].df_given])
+def _clipped(name):
+    return bool(ENTRIES[name].derivation and ENTRIES[name].derivation[2])
+
+
+# (a clipped entry's f' is checked against its base's below: sympy differentiates Min/Max to Heaviside)
+@pytest.mark.parametrize("name", [n for n in NAMES if ENTRIES[n].df_given and not _clipped(n)])
 def test_a_given_derivative_is_the_derivative_of_f(name):
     e = ENTRIES[name]
     derived = sympy.lambdify(spec.X, sympy.diff(e.f, spec.X), modules=[MPMATH, "mpmath"])
@@ -38,10 +43,16 @@ def test_a_given_derivative_is_the_derivative_of_f(name):
 @pytest.mark.parametrize("name", [n for n in NAMES if ENTRIES[n].derivation])
 def test_a_derived_entry_is_its_base_scaled(name):
     e = ENTRIES[name]
-    base, a = e.derivation
+    base, a, clip = e.derivation
     f = numpy_function(e.f)(X)
     scaled = numpy_function(ENTRIES[base].f)(a * X) / a
+    df, base_df = numpy_function(e.df)(X), numpy_function(ENTRIES[base].df)(a * X)
+    if clip:  # clipped, with f' = 0 at and past the bounds (fitting.activations._clipped says why)
+        inside = (scaled > clip[0]) & (scaled < clip[1])
+        scaled, base_df = np.clip(scaled, *clip), np.where(inside, base_df, 0.0)
+        assert (~inside).any() and inside.any()  # X reaches past the bound: the test sees both
     assert np.abs(f - scaled).max() <= 4 * np.finfo(np.float64).eps * np.abs(f).max()
+    assert np.abs(df - base_df).max() <= 4 * np.finfo(np.float64).eps * np.abs(df).max()
 
 
 def _spec(**entry) -> str:
@@ -68,6 +79,8 @@ GOOD = {"f": "x*sigmoid(x)", "torch": {"function": "silu"}, "module": {"class": 
         (GOOD | {"monotone": True, "exact_q": {"right": "1"}}, "exact_q must be one formula (monotone)"),
         (GOOD | {"exact_q": {"left": "y", "right": "__import__('os')"}}, "activation 'act': exact_q: "),
         (GOOD | {"derivation": {"base": "silu", "scale": -1}}, "derivation must be"),
+        (GOOD | {"derivation": {"base": "silu", "clip": [10, -10]}}, "derivation must be"),
+        (GOOD | {"torch": {"function": "silu", "clamp": [0, "inf"]}}, "clamp must be [lo, hi]"),
         (GOOD | {"derivation": {"base": "nope", "scale": 2}}, "derivation base 'nope' is not in the spec"),
         (GOOD | {"monotone": "yes"}, "monotone must be true or false"),
         ({"f": "x", "torch": {"function": "silu"}}, "missing field 'module'"),

@@ -36,8 +36,11 @@ _SELU_SCALE, _SELU_ALPHA = (
     mp.mpf("1.6732632423543772848170429916717"),
 )
 # Piecewise activations: (f, f') written out, f' with torch's choice at each kink (a numerical
-# derivative there would average the two sides).
+# derivative there would average the two sides). gelu_10's f' is 0 where the float64 y is at the clip:
+# y cannot tell x = 10 from beyond it (fitting.activations._clipped).
 _PIECEWISE = {
+    "gelu_10": (lambda x: min(_mp_f("gelu", x), 10),
+                lambda x: mp.mpf(0) if float(_mp_f("gelu", x)) >= 10 else _mp_df("gelu", x)),
     "relu2": (lambda x: x * x if x > 0 else mp.mpf(0), lambda x: 2 * x if x > 0 else mp.mpf(0)),
     "leaky_relu": (lambda x: x if x > 0 else x / 100, lambda x: mp.mpf(1) if x > 0 else mp.mpf(1) / 100),
     "elu": (lambda x: x if x > 0 else mp.expm1(x), lambda x: mp.mpf(1) if x > 0 else mp.exp(x)),
