@@ -6,7 +6,8 @@ approximation of f'(f^-1(y)). Imports torch alone; uses triton (CUDA) and numba 
 backward) when installed.
 
 `InvAct(activation, mode)` serves any generated activation (invact.activations.ACTIVATIONS); the
-torch-compatible classes (InvActGELU, InvActSiLU, ...) take torch's constructor arguments.
+torch-compatible classes (one per module class of the activation spec, printed into
+invact/_generated/modules.py) take torch's constructor arguments.
 """
 
 from invact import functional, memory

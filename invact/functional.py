@@ -1,6 +1,6 @@
 """Functional InvAct: `invact(x, activation, mode)` for any generated activation, and one function per
-torch-compatible module class (gelu, silu, ...: printed from the activation spec into
-invact/_generated/functional.py) taking torch's arguments. Same values as torch's; saves y and one bit
+torch-compatible module class (named after torch's function, printed from the activation spec
+into invact/_generated/functional.py) taking torch's arguments. Same values as torch's; saves y and one bit
 per element (none for a monotone activation).
 
 `mode="bits"` (default) saves ceil(n/8) extra bytes; `mode="precision_bit"` stores the bit in the

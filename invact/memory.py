@@ -1,7 +1,7 @@
 """What a training step keeps in memory: bytes autograd saves for backward, and CUDA peak memory.
 
 `saved_tensors(model, *inputs)` runs a forward pass under torch.autograd.graph.saved_tensors_hooks and
-counts every distinct storage autograd saves (a storage saved twice, e.g. by GELU and the next Linear,
+counts every distinct storage autograd saves (a storage saved twice, e.g. by an activation and a Linear,
 counts once), excluding the model's parameters and buffers; `count_saved(model)` does the same around
 any code (a training step of your own). Tensors saved inside
 torch.utils.checkpoint regions are invisible to these hooks.

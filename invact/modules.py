@@ -1,5 +1,5 @@
 """InvAct as an nn.Module: `InvAct(activation, mode)` for any generated activation, and `select`,
-which the torch-compatible classes (InvActGELU, InvActSiLU, ... printed from the activation spec into
+which the torch-compatible classes (printed from the activation spec into
 invact/_generated/modules.py) use to pick their activation from torch's constructor arguments."""
 
 import torch
@@ -42,7 +42,7 @@ class InvAct(nn.Module):
     """y = f(x) for the activation `activation` (a name in invact.activations.ACTIVATIONS), saving y
     and, unless f is monotone, one bit per element for backward instead of x. `mode`: "bits" (packed
     bits, ceil(n/8) bytes) or "precision_bit" (the bit in y's lowest mantissa bit: y within 1 ulp of
-    torch's, no extra bytes). The torch-compatible classes (InvActGELU, ...) are this with torch's
+    torch's, no extra bytes). The torch-compatible classes are this with torch's
     constructor arguments."""
 
     _ARGUMENTS: tuple[str, ...] = ()  # the constructor arguments a subclass shows in its repr

@@ -1,8 +1,8 @@
 """`invact.patch(model)`: swap every activation module InvAct reproduces exactly for its InvAct twin.
 
 Classes are matched by their qualified name, so neither transformers nor timm is imported here. A
-replacement computes the same function; torch's own op may differ from a Python composition (e.g.
-transformers' NewGELUActivation) by float rounding only. Activation-like modules that are not
+replacement computes the same function; torch's own op may differ from a Python composition (as
+transformers writes some activations) by float rounding only. Activation-like modules that are not
 replaced are logged on the "invact" logger with the reason, and listed by `plan(model)`.
 """
 
@@ -52,7 +52,7 @@ def _factory(options) -> Factory:
 
 def _unsupported(options) -> Callable[[nn.Module], str | None]:
     """Why an instance is left alone: its attributes match no activation; the reason is what the
-    activation's own constructor says of those values (InvActSoftplus(beta=2) explains beta)."""
+    activation's own constructor says of those values (a `why` of the spec explains the argument)."""
 
     def reason(module) -> str | None:
         if any(_matches(module, when) for _, when in options):
@@ -84,7 +84,7 @@ CONDITIONS: dict[str, Callable[[nn.Module], str | None]] = {
 # Activations deliberately left alone, with the reason.
 SKIPPED: dict[str, str] = dict(_generated.SKIPPED)
 # A module whose class name contains the name of a class in the tables (or "activation") is reported
-# when it is left alone: a user's own `MyGelu` is worth a log line.
+# when it is left alone: a user's own variant of a known class is worth a log line.
 _ACTIVATION_LIKE = re.compile(
     "|".join(
         sorted(
@@ -99,8 +99,8 @@ _ACTIVATION_LIKE = re.compile(
 # Ends every reason a static rule gives for leaving an activation alone (see _static_risk).
 RISK_HINT = "; pass example_inputs= to measure it"
 
-# Activations stored as plain function attributes of a module (nn.TransformerEncoderLayer(activation=
-# "gelu") keeps F.gelu in self.activation): the function -> the InvAct module that computes it.
+# Activations stored as plain function attributes of a module (nn.TransformerEncoderLayer keeps the
+# torch.nn.functional function it is given in self.activation): the function -> its InvAct module.
 _FUNCTION_NAMES = {getattr(F, name.rpartition(".")[2]): name for name in _generated.FUNCTIONS}
 FUNCTIONS: dict[Callable, Factory] = {
     fn: (lambda f, mode, a=_generated.FUNCTIONS[name]: module_for(a, mode))
@@ -196,7 +196,7 @@ def _candidates(model: nn.Module):
         cls = _qualname(module)
         yield name, cls, module, REPLACEABLE.get(cls), False
         if cls in REPLACEABLE or cls in SKIPPED or isinstance(module, InvAct) or _is_activation_like(module):
-            continue  # an activation module's own function (transformers' GELUActivation keeps F.gelu)
+            continue  # an activation module's own function (a transformers class keeps its torch one)
         for attr, value in vars(module).items():
             if callable(value) and any(value is f for f in FUNCTIONS):
                 full = f"{name}.{attr}" if name else attr
@@ -240,7 +240,7 @@ def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", ex
             decisions.append(Decision(name, cls, False, SKIPPED[cls]))
         elif _is_activation_like(obj):
             decisions.append(Decision(name, cls, False, "not a function InvAct reproduces"))
-    found += [d.name for d in decisions]  # skipped activations (a ReLU) are activations too
+    found += [d.name for d in decisions]  # skipped activations (torch's own, saving nothing) count too
     for what, patterns in (("include", include), ("exclude", exclude)):
         for p in patterns or ():
             if not any(fnmatch.fnmatchcase(n, p) for n in found):
@@ -320,8 +320,9 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
     for name, _, obj, factory, _ in _candidates(model):
         if name in todo:
             objects[name], activation[name] = obj, factory(obj, mode).activation
-    # A module is one object wherever it is shared; a function attribute (F.gelu is one object for every
-    # layer) is one per name. Each object's calls are recorded under its first name.
+    # A module is one object wherever it is shared; a function attribute (one torch.nn.functional
+    # function is the same object in every layer) is one per name. Each object's calls are recorded
+    # under its first name.
     key_of: dict[object, str] = {}
     for name, obj in objects.items():
         key_of.setdefault(_object_key(name, obj), name)
