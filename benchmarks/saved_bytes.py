@@ -19,6 +19,7 @@ from torch import nn
 
 import invact
 from invact.activations import ACTIVATIONS
+from invact.memory import count_saved
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = (64, 128)  # 8192 elements: ceil(n / 8) bytes of bits is exactly n / 8
@@ -38,22 +39,12 @@ class _Forward(nn.Module):
 def extra_bytes_per_element(act: nn.Module) -> float:
     """Bytes autograd saves per element of the activation's input, beyond its output, with an
     nn.Linear after it (so the output is saved once, by the Linear, in every case)."""
-    linear = nn.Linear(SHAPE[1], 8)
-    params = {p.untyped_storage().data_ptr() for p in linear.parameters()}
+    model = nn.Sequential(act, nn.Linear(SHAPE[1], 8))
     h = torch.randn(SHAPE, requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = act(h)
-        linear(y).sum().backward()
-    saved.pop(y.untyped_storage().data_ptr(), None)  # the output: the Linear's input
-    return sum(saved.values()) / h.numel()
+    with count_saved(model) as counted:  # distinct storages, parameters excluded
+        model(h).sum().backward()
+    output_bytes = h.numel() * h.element_size()  # the Linear's input, the activation's output
+    return (counted.report.saved_bytes - output_bytes) / h.numel()
 
 
 def measure() -> dict[str, dict[str, float]]:
