@@ -38,8 +38,8 @@ Schema `invact-activations/1`: {"schema", "about", "activations": {name: entry}}
 Top level, `skipped`: activation classes patch() leaves alone on purpose -> the reason.
 
 Formulas are parsed by codegen.safe_expr (never evaluated) with the functions of codegen.functions:
-sqrt, exp, log, log1p, erf, erfc, tanh, Phi, sigmoid, softplus, Abs, Max, Min, Piecewise, and the constant
-pi. Every problem is a SpecError, one line naming the entry and field.
+sqrt, exp, expm1, log, log1p, erf, erfc, tanh, Phi, sigmoid, softplus, Abs, Max, Min, Piecewise, and
+the constant pi. Every problem is a SpecError, one line naming the entry and field.
 """
 
 from __future__ import annotations
