@@ -119,7 +119,8 @@ class TorchPrinter(_ElementwisePrinter):
         "expm1": "torch.expm1({})",
         "Phi": "torch.special.ndtr({})",
         "sigmoid": "torch.sigmoid({})",
-        "softplus": "_softplus({})",  # the math function, no threshold: a helper printed in the module
+        # torch's own (x past its threshold 20): what a library's formula computes, reproduced bitwise
+        "softplus": "torch.nn.functional.softplus({})",
     }
 
     def _clamp(self, expr: sympy.Expr, tensor_fn: str, clamp_fn: str) -> str:
@@ -147,7 +148,10 @@ class TorchPrinter(_ElementwisePrinter):
 class ReferenceTorchPrinter(TorchPrinter):
     """The float64 reference views (f, f'): a product's constant factor is printed last, so bounded
     factors meet a huge x first (mish's f' at x = 1e308: x * sigmoid(-2 softplus x) * ... * 4 is 0,
-    where 4 * x * ... overflows to inf * 0 = NaN)."""
+    where 4 * x * ... overflows to inf * 0 = NaN). softplus is the math function, without torch's
+    threshold: a helper printed in the module."""
+
+    FUNCTIONS = TorchPrinter.FUNCTIONS | {"softplus": "_softplus({})"}
 
     def _print_Mul(self, expr: sympy.Mul) -> str:
         coeff, rest = expr.as_coeff_Mul()
@@ -163,7 +167,7 @@ class ScalarPrinter(_ElementwisePrinter):
     whose versions vectorize (libm's do not)."""
 
     SQRT, EXP, LOG, ABS = "math.sqrt", "exp32", "log32", "abs"
-    FUNCTIONS = {"expm1": "(exp32({}) - F(1.0))"}  # fp32: its absolute error is one ulp of 1, as torch's
+    FUNCTIONS = {"expm1": "expm1_32({})"}  # invact._cpu_math's: no cancellation near 0 (sqrtsoftplus's q)
 
     def _literal(self, text: str) -> str:
         return f"F({text})"

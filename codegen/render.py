@@ -200,7 +200,7 @@ def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
 
 import math  # noqa: F401
 
-from invact._cpu_math import F, exp32, log32  # noqa: F401
+from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401
 
 
 {_functions(c, printer, "_scalar")}{_left_first_piece(c, printer)}'''

@@ -4,7 +4,7 @@
 
 import math  # noqa: F401
 
-from invact._cpu_math import F, exp32, log32  # noqa: F401
+from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401
 
 
 def q_left_scalar(y):

@@ -4,9 +4,9 @@
 
 import math  # noqa: F401
 
-from invact._cpu_math import F, exp32, log32  # noqa: F401
+from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401
 
 
 def q_right_scalar(y):
     """q ~ f'(f^-1(y)) for every x (monotone: one branch, no bit); max error 2.22e-16."""
-    return -(exp32(-y) - F(1.0))
+    return -expm1_32(-y)

@@ -26,6 +26,8 @@ def _mp_f(name: str, x):
         return x * mp.tanh(mp.log1p(mp.exp(x)))
     if name == "softplus":
         return mp.log1p(mp.exp(x))
+    if name == "sqrtsoftplus":
+        return mp.sqrt(mp.log1p(mp.exp(x)))
     if name in _PIECEWISE:
         return _PIECEWISE[name][0](x)
     raise KeyError(name)

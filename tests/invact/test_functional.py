@@ -162,12 +162,14 @@ def _nan_where_torch_is_and_where_y_cannot_tell(act, x, y, dx, torch_grad):
     """InvAct's non-finite rule: its gradient is NaN wherever torch's is; beyond that only where y is
     NaN, and for two branches where y = +-inf (the kernels' rule: q is not fitted there). Torch's
     piecewise activations give a branch's constant there (every comparison with NaN is false: elu
-    gives 1 at x = NaN; hardswish 0 at x = -inf, whose y is NaN, and 1 at x = inf). One exception
-    the other way: a clipped y at x = +-inf (gelu_10) is a flat piece, gradient 0, where torch
-    multiplies its clamp's 0 by GELU's NaN derivative at infinity."""
+    gives 1 at x = NaN; hardswish 0 at x = -inf, whose y is NaN, and 1 at x = inf). Two exceptions
+    the other way, where InvAct returns the limit 0 and torch multiplies a 0 by an infinity: a clipped
+    y at x = +-inf (gelu_10: its clamp's 0 times GELU's NaN derivative there), and y at f's infimum
+    (sqrtsoftplus at x << 0, where softplus is 0 and torch's sqrt backward divides by it)."""
     unreadable = torch.isnan(y) if act.monotone else ~torch.isfinite(y)
     clipped_at_infinity = torch.isinf(x) & torch.isfinite(y) & (dx == 0)
-    assert ((torch.isnan(dx) | clipped_at_infinity) >= torch.isnan(torch_grad)).all()
+    at_infimum = (y == act.y_min) & (dx == 0)
+    assert ((torch.isnan(dx) | clipped_at_infinity | at_infimum) >= torch.isnan(torch_grad)).all()
     assert (unreadable >= (torch.isnan(dx) & ~torch.isnan(torch_grad))).all()
 
 
