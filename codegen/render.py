@@ -407,17 +407,15 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
     the_spec = spec.read(spec_bytes.decode("utf-8"), spec_name)
     entries = the_spec.entries
     index_sources = [(defaults_name, _sha256(defaults_bytes)), (spec_name, _sha256(spec_bytes))]
-    files = {"__init__.py": render_index(defaults, the_spec, index_sources)}
     missing = sorted(set(defaults) - set(entries))
-    if missing:
+    if missing:  # checked before any table is printed: each reads the activation's entry
         raise ValueError(f"{defaults_name}: {missing[0]!r} has no entry in {spec_name}")
+    files = {"__init__.py": render_index(defaults, the_spec, index_sources)}
     generated = {a: entries[a] for a in sorted(defaults)}
     files["modules.py"], files["functional.py"] = render_modules(
         generated, [(spec_name, _sha256(spec_bytes))]
     )
     for activation, family in sorted(defaults.items()):
-        if activation not in entries:
-            raise ValueError(f"{defaults_name}: {activation!r} has no entry in {spec_name}")
         path = coeffs_dir / activation / f"{family}.json"
         name, data = source(path)
         try:

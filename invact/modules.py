@@ -7,7 +7,7 @@ from torch import nn
 
 from invact import _generated
 from invact.activations import ACTIVATIONS
-from invact.ops import MODES, invact
+from invact.ops import check_mode, invact
 
 # module class -> ((activation, the constructor arguments that select it), ...)
 _CLASSES: dict[str, list[tuple[str, dict]]] = {}
@@ -53,8 +53,7 @@ class InvAct(nn.Module):
             raise ValueError(
                 f"unknown activation {activation!r} (choose from {', '.join(sorted(ACTIVATIONS))})"
             )
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
+        check_mode(mode)
         self.activation, self.mode = activation, mode
 
     @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function

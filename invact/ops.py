@@ -30,6 +30,12 @@ def _triton_available() -> bool:
     return True
 
 
+def check_mode(mode: str) -> None:
+    """ValueError unless `mode` is one of MODES (the modules check it when built, the op when called)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
+
+
 def backend_for(t: torch.Tensor) -> str:
     """INVACT_BACKEND if set, else triton for CUDA tensors (when installed), else torch."""
     choice = os.environ.get("INVACT_BACKEND", "").strip().lower()
@@ -244,8 +250,7 @@ def _functorch_wrapped(x: torch.Tensor) -> bool:
 
 def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor:
     """y = f(x), saving y and the branch bits for backward. `mode`: "bits" or "precision_bit"."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
+    check_mode(mode)
     act = ACTIVATIONS[activation]
     if not x.is_floating_point():
         return act.torch_forward(x)  # raises torch's own error for integer input

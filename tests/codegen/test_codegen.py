@@ -3,6 +3,7 @@
 import hashlib
 import importlib
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -113,3 +114,11 @@ def test_left_first_piece_is_the_left_branch_where_it_holds(activation):
     for y, h in zip(ys, holds, strict=True):
         if h:
             assert gen.q_left_first_scalar(y) == gen.q_left_scalar(y), y
+
+
+def test_a_default_without_a_spec_entry_is_one_line(tmp_path):
+    shutil.copytree(COEFFS, tmp_path / "coeffs")
+    defaults = json.loads((COEFFS / "defaults.json").read_text()) | {"swish2": "floor"}
+    (tmp_path / "coeffs" / "defaults.json").write_text(json.dumps(defaults))
+    with pytest.raises(ValueError, match="defaults.json: 'swish2' has no entry in .*activations.json"):
+        render_all(tmp_path / "coeffs")
