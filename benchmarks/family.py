@@ -5,7 +5,7 @@ The runtime reads only invact/_generated/, printed from the default families (co
 This module renders another family's torch functions with codegen, exactly as `python -m codegen`
 would print them, imports them from a temporary file, and runs InvAct's scheme with them: the forward
 is torch's activation and saves y plus the packed branch bits (x < T), the backward is the runtime's
-portable torch backward (invact.ops.torch_backward) with this family's q. Gradients differ from the
+portable torch backward (invact._portable.backward) with this family's q. Gradients differ from the
 runtime's by the difference between the two families' q (paper: linf_fp32 about 1e-3 per branch)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import functools
 import importlib.util
 import tempfile
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import torch
 from swap import replace_activations
@@ -22,9 +22,9 @@ from torch import nn
 
 from codegen import coeffs_json, spec
 from codegen.render import COEFFS, render_torch
-from invact import _bits
-from invact.activations import ACTIVATIONS
-from invact.ops import _flat, _is_left, torch_backward
+from invact import _bits, _portable
+from invact._layout import flat
+from invact.activations import ACTIVATIONS, Activation
 
 
 @functools.cache
@@ -50,16 +50,16 @@ class _Family(torch.autograd.Function):
     def forward(ctx, x, activation, family):
         gen = generated(activation, family)
         y = ACTIVATIONS[activation].torch_forward(x)
-        bits = _bits.pack(_is_left(_flat(x.contiguous()), gen.THRESHOLD))
+        bits = _bits.pack(_bits.is_left(flat(x.contiguous()), gen.THRESHOLD))
         ctx.save_for_backward(y, bits)
-        ctx.act = SimpleNamespace(monotone=gen.MONOTONE, generated=gen)  # what torch_backward reads
+        ctx.act = Activation(activation, emitted=gen)  # its torch view is the family's module
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, bits = ctx.saved_tensors
         y = y.contiguous()
-        dx = torch_backward(ctx.act, _flat(y), bits, _flat(dy.contiguous()), precision_bit=False)
+        dx = _portable.backward(ctx.act, flat(y), bits, flat(dy.contiguous()), precision_bit=False)
         return dx.view(y.shape), None, None
 
 

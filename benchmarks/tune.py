@@ -30,14 +30,14 @@ def kernel_bandwidth(dtype: torch.dtype, n: int, repeats: int, configs=None, dev
     from invact.activations import ACTIVATIONS
 
     configs = configs or _triton.CONFIGS
-    threshold = ACTIVATIONS["gelu"].threshold
+    gelu = ACTIVATIONS["gelu"]
     x = torch.randn(n, device=device, dtype=dtype)
-    y, dy = torch.empty_like(x), torch.randn_like(x)
+    dy = torch.randn_like(x)
     clock = timer(device)
-    bits = _triton.forward("gelu", threshold, x, y, False, configs["forward"])
-    fwd = median_ms([clock(lambda: _triton.forward("gelu", threshold, x, y, False, configs["forward"]))
+    y, bits = _triton.forward(gelu, x, False, configs["forward"])
+    fwd = median_ms([clock(lambda: _triton.forward(gelu, x, False, configs["forward"]))
                      for _ in range(repeats)])  # fmt: skip
-    bwd = median_ms([clock(lambda: _triton.backward("gelu", y, bits, dy, False, configs["backward"]))
+    bwd = median_ms([clock(lambda: _triton.backward(gelu, y, bits, dy, False, configs["backward"]))
                      for _ in range(repeats)])  # fmt: skip
     copy_ms = median_ms([clock(lambda: y.copy_(x)) for _ in range(repeats)])
     size = x.element_size()

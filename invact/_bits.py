@@ -50,3 +50,10 @@ def lsb(y: torch.Tensor) -> torch.Tensor:
 
 def supports_precision_bit(dtype: torch.dtype) -> bool:
     return dtype in _INT_OF
+
+
+def is_left(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The branch bit, x < T, compared in fp32 for half types (as the Triton kernels do), else in x's
+    dtype."""
+    xs = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return xs < threshold

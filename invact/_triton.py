@@ -1,5 +1,6 @@
-"""Triton kernels, written once: the activation's generated forward and q_left/q_right device
-functions (invact/_generated/<name>_triton.py) come in as constexpr arguments. Offsets are int64
+"""The Triton backend, for CUDA tensors: two kernels written once, into which the activation's Triton
+view (its forward and q_left/q_right device functions, invact/_generated/<name>_triton.py) comes
+as constexpr arguments. Same signature as the other backends (invact/_portable.py). Offsets are int64
 (tensors over 2^31 elements); masks handle any size. Forward: y = f(x) and the branch bits in one
 pass; backward: unpack, q in fp32, times dy, stored in dy's dtype. On CPU tensors these run under
 TRITON_INTERPRET=1 (how CI tests them).
@@ -7,13 +8,14 @@ TRITON_INTERPRET=1 (how CI tests them).
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from invact._layout import flat, is_dense
+from invact.activations import Activation
 
 BLOCK = 1024  # default elements per program (see Config)
 
@@ -75,18 +77,6 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
     tl.store(dx_ptr + offs, (dy * q).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _generated(activation: str):
-    """The activation's generated device functions: forward, q_right, and q_left unless monotone."""
-    return importlib.import_module(f"invact._generated.{activation}_triton")
-
-
-def _q(activation: str):
-    """(q_left, q_right) device functions; q_left is None for a monotone activation (one branch)."""
-    gen = _generated(activation)
-    return getattr(gen, "q_left", None), gen.q_right
-
-
 @dataclass(frozen=True)
 class Config:
     """A launch configuration: `block` elements per program (a power of two >= 8, so each program owns
@@ -112,26 +102,29 @@ def _launch(kernel, config: Config, n: int, *args, **constexprs):
     kernel[grid](*args, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
 
 
-def forward(activation: str, threshold: float | None, x: torch.Tensor, y: torch.Tensor, precision_bit: bool,
-            config: Config | None = None):  # fmt: skip
-    """Flat x -> y (written in place) and the returned bits (empty in precision-bit mode and for a
-    monotone activation, whose threshold is None). `config`: CONFIGS["forward"] unless given."""
-    n, monotone = x.numel(), threshold is None
+def forward(act: Activation, x: torch.Tensor, precision_bit: bool, config: Config | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """y = f(x) with x's layout (a copy of x if it is not dense) and the bits, in one pass. `config`:
+    CONFIGS["forward"] unless given."""
+    x = x if is_dense(x) else x.contiguous()
+    y = torch.empty_like(x)
+    n, monotone = x.numel(), act.monotone
     bits = torch.empty(0 if precision_bit or monotone else (n + 7) // 8, dtype=torch.uint8, device=x.device)
     if n:
-        _launch(_forward_kernel, config or CONFIGS["forward"], n, x, y, bits,
-                T=0.0 if monotone else threshold, FN=_generated(activation).forward,
+        _launch(_forward_kernel, config or CONFIGS["forward"], n, flat(x), flat(y), bits,
+                T=0.0 if monotone else act.threshold, FN=act.triton.forward,
                 PRECISION_BIT=precision_bit, MONOTONE=monotone)  # fmt: skip
-    return bits
+    return y, bits
 
 
-def backward(activation: str, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool,
+def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool,
              config: Config | None = None):  # fmt: skip
     """Flat (y, bits, dy) -> dx in dy's dtype. `config`: CONFIGS["backward"] unless given."""
     n = y.numel()
     dx = torch.empty_like(dy)
     if n:
-        ql, qr = _q(activation)
-        _launch(_backward_kernel, config or CONFIGS["backward"], n, y, bits, dy, dx, QL=ql or qr, QR=qr,
-                PRECISION_BIT=precision_bit, MONOTONE=ql is None)  # fmt: skip
+        view = act.triton
+        _launch(_backward_kernel, config or CONFIGS["backward"], n, y, bits, dy, dx,
+                QL=view.q_left or view.q_right, QR=view.q_right,
+                PRECISION_BIT=precision_bit, MONOTONE=view.q_left is None)  # fmt: skip
     return dx

@@ -1,16 +1,22 @@
-"""The activations InvAct reproduces, each resolved once to its generated module
-(invact/_generated/<name>.py, printed by codegen from the activation spec coeffs/activations.json and
-the coefficient file of its default family): torch's own forward, float64 f and f', the threshold
-T (bit 1 where x < T), y_min and q per branch. A monotone activation has no T and no bit:
-its one branch is "right"."""
+"""The activations InvAct reproduces, each resolved once to its generated views: the torch view
+(invact/_generated/<name>.py: torch's own forward, float64 f and f', the threshold T (bit 1 where
+x < T), y_min and q per branch), the numba view (<name>_cpu.py: q as fp32 scalar functions) and the
+Triton view (<name>_triton.py: the forward and q as device functions), all printed by codegen from the
+activation spec coeffs/activations.json and the coefficient file of the default family. A monotone
+activation has no T and no bit: its one branch is "right".
+
+An activation loaded with invact.load_activation has all three views in the one module
+`invact-fit --emit` printed; `register` adds it to ACTIVATIONS.
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -19,13 +25,43 @@ from invact._generated import FAMILIES
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
+class TritonView(NamedTuple):
+    """The @triton.jit device functions: forward f(x) and q per branch (q_left None when monotone)."""
+
+    forward: Callable
+    q_left: Callable | None
+    q_right: Callable
+
+
 @dataclass(frozen=True)
 class Activation:
     name: str
+    # The module `invact-fit --emit` printed, holding every view (a loaded activation); None for the
+    # built-in ones, whose views are modules of invact._generated.
+    emitted: ModuleType | None = field(default=None, compare=False, repr=False)
+
+    def _view(self, suffix: str) -> ModuleType:
+        return self.emitted or importlib.import_module(f"invact._generated.{self.name}{suffix}")
 
     @functools.cached_property
     def generated(self) -> ModuleType:
-        return importlib.import_module(f"invact._generated.{self.name}")
+        """The torch view: torch_forward, f64, df64, q_left/q_right on tensors, the constants."""
+        return self._view("")
+
+    @functools.cached_property
+    def cpu(self) -> ModuleType:
+        """The numba view: q_left_scalar/q_right_scalar (and, for a piecewise left branch,
+        q_left_first_scalar and left_first_holds), plain Python on fp32 scalars."""
+        return self._view("_cpu")
+
+    @functools.cached_property
+    def triton(self) -> TritonView:
+        """The Triton view (imports triton)."""
+        if self.emitted is not None:  # one module: its Triton functions carry a prefix
+            m = self.emitted
+            return TritonView(m.triton_forward, getattr(m, "triton_q_left", None), m.triton_q_right)
+        m = self._view("_triton")
+        return TritonView(m.forward, getattr(m, "q_left", None), m.q_right)
 
     @property
     def torch_forward(self) -> Fn:
@@ -34,7 +70,7 @@ class Activation:
 
     @property
     def f(self) -> Fn:
-        """f on float64 tensors (the exact path's reference)."""
+        """f on float64 tensors (the float64 path's reference)."""
         return self.generated.f64
 
     @property
@@ -63,3 +99,14 @@ class Activation:
 
 
 ACTIVATIONS: dict[str, Activation] = {name: Activation(name) for name in FAMILIES}
+
+
+def register(act: Activation) -> Activation:
+    """Add a loaded activation to ACTIVATIONS (the ops look activations up by name). ValueError if the
+    name is taken: compiled kernels are cached by name."""
+    if act.name in ACTIVATIONS:
+        known = ACTIVATIONS[act.name].emitted
+        where = "a built-in activation" if known is None else f"loaded already from {known.__file__}"
+        raise ValueError(f"an activation named {act.name!r} is {where}: give yours another name")
+    ACTIVATIONS[act.name] = act
+    return act

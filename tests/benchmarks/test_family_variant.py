@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from invact._exact import derivative_from_output
+from invact._float64 import derivative_from_output
 from invact.activations import ACTIVATIONS
 
 ROOT = Path(__file__).resolve().parents[2]

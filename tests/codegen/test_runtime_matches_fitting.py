@@ -11,7 +11,7 @@ import torch
 from fitting.activations import ACTIVATIONS as FITTING
 from fitting.evaluate import branch_y_range
 from fitting.targets import target
-from invact._exact import derivative_from_output
+from invact._float64 import derivative_from_output
 from invact.activations import ACTIVATIONS as RUNTIME
 
 NAMES = sorted(FITTING)

@@ -83,9 +83,9 @@ def _step(mode: str, rank: int) -> dict:
 
 def no_numba() -> None:
     """Route InvAct's CPU backward to the generated torch functions (as test_functional does)."""
-    from invact import _cpu
+    from invact import _numba
 
-    _cpu.available = lambda: False
+    _numba.available = lambda: False
 
 
 def main(out_dir: str) -> None:

@@ -5,9 +5,9 @@ import torch
 
 pytest.importorskip("numba")
 
-from invact import _bits, _cpu  # noqa: E402
+from invact import _bits, _numba  # noqa: E402
+from invact._bits import is_left  # noqa: E402
 from invact.activations import ACTIVATIONS  # noqa: E402
-from invact.ops import _is_left  # noqa: E402
 
 T = ACTIVATIONS["gelu"].threshold
 
@@ -25,12 +25,12 @@ def _inputs(n: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2**16 + 5])
 def test_pack_less_matches_the_mask_then_pack(n):
     x = _inputs(n)
-    assert torch.equal(_cpu.pack_less(x, T), _bits.pack(_is_left(x, T)))
+    assert torch.equal(_numba.pack_less(x, T), _bits.pack(is_left(x, T)))
 
 
 @pytest.mark.parametrize("n", [1, 13, 2**16 + 5])
 def test_set_lsb_less_matches_the_mask_then_with_lsb(n):
     x = _inputs(n)
     y = torch.randn(n)
-    want = _bits.with_lsb(y, _is_left(x, T))
-    assert torch.equal(_cpu.set_lsb_less_(y.clone(), x, T).view(torch.int32), want.view(torch.int32))
+    want = _bits.with_lsb(y, is_left(x, T))
+    assert torch.equal(_numba.set_lsb_less_(y.clone(), x, T).view(torch.int32), want.view(torch.int32))

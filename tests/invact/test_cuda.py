@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import invact
-from invact._exact import derivative_from_output
+from invact._float64 import derivative_from_output
 from invact.activations import ACTIVATIONS
 from invact.ops import invact as invact_op
 from tests.invact.test_functional import _all_finite, _branch_masks, _exact_derivative

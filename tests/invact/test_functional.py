@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import invact
-from invact._exact import derivative_from_output
+from invact._float64 import derivative_from_output
 from invact.activations import ACTIVATIONS
 from invact.ops import invact as invact_op
 
@@ -315,13 +315,13 @@ def test_backend_override(monkeypatch):
 
 
 def test_numba_and_torch_op_backwards_agree(monkeypatch):
-    from invact import _cpu
+    from invact import _numba
 
     torch.manual_seed(1)
     x = torch.randn(10007) * 4  # 10% (mish) to 31% (gelu) of it in the left tails the numba kernel redoes
     for name, dtype, mode in itertools.product(NAMES, DTYPES, ("bits", "precision_bit")):
         fused = _run(name, x.to(dtype), mode)[1]
-        monkeypatch.setattr(_cpu, "available", lambda: False)
+        monkeypatch.setattr(_numba, "available", lambda: False)
         plain = _run(name, x.to(dtype), mode)[1]
         monkeypatch.undo()
         # Two fp32 evaluations of one formula (exp32/log32 vs torch's, other association), each

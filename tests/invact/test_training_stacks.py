@@ -420,9 +420,9 @@ def test_distributed_gloo(distributed_results, mode, monkeypatch):
     drop_x = lambda g: {k: v for k, v in g.items() if k != "x"}  # noqa: E731 - workers' input needs none
     # Against the patched model in one process on the global batch, with the workers' CPU kernel: the
     # same per-element products, summed in another order (two halves, then averaged): rounding only.
-    from invact import _cpu
+    from invact import _numba
 
-    monkeypatch.setattr(_cpu, "available", lambda: False)
+    monkeypatch.setattr(_numba, "available", lambda: False)
     model = _patched_mlp()
     _assert_within(got, drop_x(_grads(model, x)), _mlp_bounds(make_mlp(), x, family=0.0))
     monkeypatch.undo()

@@ -7,8 +7,8 @@ import torch
 pytest.importorskip("triton")
 
 from invact import _triton  # noqa: E402
+from invact._portable import backward as torch_backward  # noqa: E402
 from invact.activations import ACTIVATIONS  # noqa: E402
-from invact.ops import torch_backward  # noqa: E402
 
 NAMES = sorted(ACTIVATIONS)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,8 +32,7 @@ def test_forward_bits_match_the_torch_backend(name, dtype):
     act = ACTIVATIONS[name]
     for n in SIZES:
         x = (torch.randn(n, device=DEVICE) * 4).to(dtype)
-        y = torch.empty_like(x)
-        bits = _triton.forward(name, act.threshold, x, y, precision_bit=False)
+        y, bits = _triton.forward(act, x, precision_bit=False)
         want_y, want_bits = torch.ops.invact.forward(x.cpu(), name, False)
         assert torch.equal(bits.cpu(), want_bits), (n, dtype)
         assert _scaled_ulps(y.cpu(), want_y, x.cpu()).max() <= 6, (n, dtype)
@@ -59,7 +58,7 @@ def test_backward_matches_the_torch_backend(name, precision_bit):
         y, bits = torch.ops.invact.forward(x, name, precision_bit)  # the same saved state for both
         dy = torch.randn(n)
         want = torch_backward(ACTIVATIONS[name], y, bits, dy, precision_bit)
-        got = _triton.backward(name, y.to(DEVICE), bits.to(DEVICE), dy.to(DEVICE), precision_bit)
+        got = _triton.backward(ACTIVATIONS[name], y.to(DEVICE), bits.to(DEVICE), dy.to(DEVICE), precision_bit)
         # Gradients within 1e-5 (fp32), the default families' accuracy. Both evaluate the same generated
         # formula in fp32; the difference is libm rounding, measured <= 1e-6 for |dy| <= 5.
         assert (got.cpu() - want).abs().max() <= 1e-5, n
@@ -70,7 +69,7 @@ def test_half_precision_backward_stores_in_dy_dtype(dtype):
     x = (torch.randn(999) * 4).to(dtype)
     y, bits = torch.ops.invact.forward(x, "gelu", False)
     dy = torch.randn(999).to(dtype)
-    got = _triton.backward("gelu", y.to(DEVICE), bits.to(DEVICE), dy.to(DEVICE), False).cpu()
+    got = _triton.backward(ACTIVATIONS["gelu"], y.to(DEVICE), bits.to(DEVICE), dy.to(DEVICE), False).cpu()
     want = torch_backward(ACTIVATIONS["gelu"], y, bits, dy, False)
     assert got.dtype == dtype
     assert _ulps(got, want).max() <= 1  # one rounding (the interpreter truncates where torch rounds)
@@ -94,15 +93,14 @@ def test_more_than_2_31_elements():
     n = 2**31 + 9  # int64 offsets: the last byte of bits and the last elements must be right
     x = torch.full((n,), -2.0, device="cuda", dtype=torch.bfloat16)
     x[-3:] = 1.0
-    y = torch.empty_like(x)
-    bits = _triton.forward("gelu", ACTIVATIONS["gelu"].threshold, x, y, precision_bit=False)
+    y, bits = _triton.forward(ACTIVATIONS["gelu"], x, precision_bit=False)
     assert bits.numel() == (n + 7) // 8
     # Byte 2^28 holds elements 2^31 .. 2^31 + 7 (x = -2 six times, then 1 twice: bits 0-5), and the
     # last byte element 2^31 + 8 alone (x = 1: no bit).
     assert bits[0].item() == 0xFF and bits[-2].item() == 0b0011_1111 and bits[-1].item() == 0
     assert y[-1].item() == torch.nn.functional.gelu(torch.tensor(1.0)).bfloat16().item()
     del x
-    dx = _triton.backward("gelu", y, bits, torch.ones_like(y), precision_bit=False)
+    dx = _triton.backward(ACTIVATIONS["gelu"], y, bits, torch.ones_like(y), precision_bit=False)
     # Past element 2^31 the bits must still be read at the right place: the first 8 elements and the
     # last 8 (2^31 + 1 .. 2^31 + 8: five on the left branch, three on the right) get their branch's q,
     # which the torch backend computes from the same y and bits.

@@ -1,12 +1,14 @@
-"""The float64 path: invert y on its branch exactly and return f'(x), so torch.autograd.gradcheck
-holds. Safeguarded Newton inside a bracket (bisection when a step leaves it). Where f has one sign
-near the root (the left branch: f < 0; a monotone f with y_min >= 0: f > 0) it solves
-log|f(x)| = log|y|, which stays well scaled as y -> 0 and x -> -inf."""
+"""The float64 backend's backward: invert y on its branch exactly and return f'(x), so
+torch.autograd.gradcheck holds (its forward is the portable one; float64 keeps packed bits in
+precision-bit mode too, having no rounding to spare). Safeguarded Newton inside a bracket (bisection
+when a step leaves it). Where f has one sign near the root (the left branch: f < 0; a monotone f with
+y_min >= 0: f > 0) it solves log|f(x)| = log|y|, which stays well scaled as y -> 0 and x -> -inf."""
 
 from __future__ import annotations
 
 import torch
 
+from invact import _bits
 from invact.activations import Activation
 
 _MAX_ITER = 200
@@ -69,3 +71,10 @@ def derivative_from_output(act: Activation, y: torch.Tensor, left: torch.Tensor 
         x = invert(act, y, left)
         df = torch.where(torch.isneginf(x), torch.zeros_like(x), act.df(x))
     return torch.where(torch.isnan(y) if act.monotone else ~torch.isfinite(y), torch.nan, df)
+
+
+def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
+             ) -> torch.Tensor:  # fmt: skip
+    """dx = dy f'(f^-1(y)) for flat float64 tensors (`precision_bit` changes nothing: see above)."""
+    left = None if act.monotone else _bits.unpack(bits, y.numel())
+    return (dy * derivative_from_output(act, y, left)).to(dy.dtype)

@@ -1,7 +1,8 @@
-"""The fused CPU kernels: the backward, one numba kernel per activation compiled from the generated
-fp32 scalar functions (invact/_generated/<act>_cpu.py), and the forward's bit packing. Optional:
-without numba the torch backend falls back to torch ops and the generated torch functions (correct,
-~15x slower than torch's own backward).
+"""The numba backend for CPU tensors: the backward, one kernel per activation compiled from its
+numba view (fp32 scalar functions, invact/_generated/<act>_cpu.py), and the forward's bit packing
+fused into one pass for float32. Same signature as the other backends (invact/_portable.py).
+Optional: without numba, CPU tensors take the portable backend (correct, ~15x slower than torch's own
+backward).
 
 The backward reads y, one branch flag per element (none for a monotone activation) and dy, and
 writes dx in fp32: one vectorized pass, then a fix-up of the rare left-tail elements (see _kernel).
@@ -13,10 +14,13 @@ later calls in the process are free.
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 
 import torch
+
+from invact import _bits, _portable
+from invact._layout import flat, like
+from invact.activations import Activation
 
 
 @functools.cache
@@ -37,12 +41,12 @@ _SKIP_BLOCK = 256
 
 
 @functools.cache
-def _kernel(activation: str):
+def _kernel(act: Activation):
     """kernel(y, flags, dy, dx) for a two-branch activation; kernel(y, dy, dx) for a monotone one."""
     import numba
     import numpy as np
 
-    gen = importlib.import_module(f"invact._generated.{activation}_cpu")
+    gen = act.cpu
     q_right = numba.njit(inline="always", fastmath=_FASTMATH)(gen.q_right_scalar)
     inf, nan = np.float32(np.inf), np.float32(np.nan)
 
@@ -158,13 +162,29 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return out
 
 
-def backward(activation: str, y: torch.Tensor, dy: torch.Tensor, bits=None, flags=None) -> torch.Tensor:
-    """dx = dy * q(y, bit) for flat CPU tensors. The bits come packed (`bits`, uint8, LSB first) or as
-    `flags`: one integer per element whose lowest bit is the branch bit (y's own integer view in
-    precision-bit mode); neither for a monotone activation. Packed bits are unpacked block by block
-    into a small reused buffer: reading them inside the loop blocks vectorization (measured 8x
-    slower), and one n-byte buffer per call costs ~1 ms of page faults."""
-    kernel = _kernel(activation)
+def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's forward, then the bits in one fused pass for float32 (other dtypes: the portable
+    forward's)."""
+    if x.dtype != torch.float32 or act.monotone:
+        return _portable.forward(act, x, precision_bit)
+    y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
+    x_flat = flat(like(x, y))
+    if precision_bit:  # y is ours: its lowest mantissa bit becomes the branch bit
+        set_lsb_less_(flat(y), x_flat, act.threshold)
+        return y, x.new_empty(0, dtype=torch.uint8)
+    return y, pack_less(x_flat, act.threshold)
+
+
+def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
+             ) -> torch.Tensor:  # fmt: skip
+    """dx = dy * q(y, bit) for flat CPU tensors. The bits come packed (`bits`, uint8, LSB first) or, in
+    precision-bit mode, as y's own integer view, whose lowest bit is the branch bit; neither for a
+    monotone activation. Packed bits are unpacked block by block into a small reused buffer: reading
+    them inside the loop blocks vectorization (measured 8x slower), and one n-byte buffer per call
+    costs ~1 ms of page faults."""
+    flags = _bits.int_view(y) if precision_bit and not act.monotone else None
+    bits = None if act.monotone or precision_bit else bits
+    kernel = _kernel(act)
     y32, dy32 = y.float().contiguous(), dy.float().contiguous()
     dx32 = torch.empty_like(y32)
     n = y32.numel()
