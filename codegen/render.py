@@ -51,7 +51,9 @@ def _per_branch(c: CoeffFile) -> str:
     return "(monotone: one branch, no bit)" if c.monotone else "per branch"
 
 
-def _functions(c: CoeffFile, printer, suffix: str, decorator: str = "", annotate: bool = False) -> str:
+def _functions(
+    c: CoeffFile, printer, suffix: str, decorator: str = "", annotate: bool = False, prefix: str = ""
+) -> str:
     blocks = []
     for name, branch in c.branches.items():
         if c.monotone:
@@ -62,7 +64,7 @@ def _functions(c: CoeffFile, printer, suffix: str, decorator: str = "", annotate
         args = "y: torch.Tensor) -> torch.Tensor" if annotate else "y)"
         doc = f"q ~ f'(f^-1(y)) {where}; max error {branch.errors['linf']:.3g}."
         body = function_body(branch.sympy_expression(), printer)
-        blocks.append(f'{decorator}def q_{name}{suffix}({args}:\n    """{doc}"""\n{body}\n')
+        blocks.append(f'{decorator}def {prefix}q_{name}{suffix}({args}:\n    """{doc}"""\n{body}\n')
     return "\n\n".join(blocks)
 
 
@@ -225,6 +227,79 @@ import triton.language as tl
 
 
 {text}{helpers}'''
+
+
+EMITTED_FORMAT = 1  # what invact.load_activation checks: the layout of render_emitted's module
+
+
+def render_emitted(c: CoeffFile, entry: spec.Entry, sources: list[tuple[str, str]], command: str) -> str:
+    """One self-contained module with every view of a user-defined activation (invact-fit NAME --expr
+    TEXT --emit FILE), which invact.load_activation imports: the constants, the torch view (as
+    <name>.py), the numba view (as <name>_cpu.py) and the Triton view (as <name>_triton.py, its
+    functions named triton_*, jitted only where triton is installed). `command`: the invact-fit
+    command that printed it, named in the header."""
+    if c.activation != entry.name:
+        raise ValueError(f"coefficients of {c.activation!r} cannot be emitted for {entry.name!r}")
+    torch_view = render_torch(c, sources, entry)
+    torch_view = torch_view[torch_view.index("\nACTIVATION = ") + 1 :]  # its constants and functions
+    scalar = ScalarPrinter()
+    cpu_view = f"{_functions(c, scalar, '_scalar')}{_left_first_piece(c, scalar)}"
+    body = function_body(fold_constants(entry.triton), TritonPrinter(), variable=spec.X)
+    forward = f'@_jit\ndef triton_forward(x):\n    """f in fp32, the forward kernel\'s."""\n{body}\n'
+    triton_view = forward + "\n\n" + _functions(c, TritonPrinter(), "", decorator="@_jit\n", prefix="triton_")
+    helpers = (_LOG1P_TRITON if "_log1p(" in triton_view else "") + (
+        _EXPM1_TRITON if "_expm1(" in triton_view else ""
+    )
+    triton_view += helpers.replace(_TRITON_JIT, "@_jit\n")
+    title = f"{c.activation}: a user-defined InvAct activation, f(x) = {entry.f}; family {c.family!r}."
+    header = _header(sources).replace("`python -m codegen`", f"`{command}`")
+    return _EMITTED.format(
+        header=header.replace("change the source and regenerate", "rerun it"),
+        title=title, errors=_errors_doc(c), format=EMITTED_FORMAT,
+        cls=repr(entry.module.cls), formula=repr(str(entry.f)), torch_view=torch_view, cpu_view=cpu_view,
+        triton_view=triton_view,
+    )  # fmt: skip
+
+
+_EMITTED = '''{header}"""{title}
+
+Printed by invact-fit --emit; invact.load_activation(path) imports it and returns its module class.
+Every view of the activation in one module: the torch functions, the fp32 scalar functions the numba
+kernels compile, and the Triton device functions (jitted where triton is installed).
+{errors}.
+"""
+
+import math  # noqa: F401
+
+import torch
+
+from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401
+
+try:
+    import triton
+    import triton.language as tl  # noqa: F401
+except ImportError:  # the torch and numba views serve without it
+    triton = None
+
+
+def _jit(fn):
+    return fn if triton is None else triton.jit(fn)
+
+
+EMITTED_FORMAT = {format}
+MODULE_CLASS = {cls}
+FORMULA = {formula}
+{torch_view}
+
+# The numba view: q as fp32 scalar functions.
+
+
+{cpu_view}
+
+# The Triton view.
+
+
+{triton_view}'''
 
 
 def render_index(defaults: dict[str, str], the_spec: spec.Spec, sources: list[tuple[str, str]]) -> str:

@@ -197,6 +197,32 @@ def _entry(name: str, doc: Any) -> Entry:
                  functions)  # fmt: skip
 
 
+def _triton_form(f: sympy.Expr) -> sympy.Expr:
+    """f with the functions that have no Triton form rewritten into ones that do: tanh z =
+    2 sigmoid(2z) - 1, erfc z = 1 - erf z, softplus z = z past 20 (torch's cut-off) else log1p(e^z)."""
+    from sympy.codegen.cfunctions import log1p
+
+    from codegen.functions import sigmoid, softplus
+
+    f = f.replace(sympy.tanh, lambda z: 2 * sigmoid(2 * z) - 1)
+    f = f.replace(sympy.erfc, lambda z: 1 - sympy.erf(z))
+    return f.replace(softplus, lambda z: sympy.Piecewise((z, z > 20), (log1p(sympy.exp(z)), True)))
+
+
+def expression_entry(name: str, text: str, monotone: bool = False) -> Entry:
+    """The entry of a user-defined activation f(x) = `text` (invact-fit NAME --expr TEXT): torch's
+    forward is the formula itself, f' sympy's derivative, the module class InvAct<Name>. Whether f is
+    monotone is the caller's finding (fitting.activations.from_expression)."""
+    if not (name.isidentifier() and name.islower()):
+        raise SpecError(f"activation name {name!r} must be a lower-case Python identifier")
+    f = formula(text, "--expr")
+    if X not in f.free_symbols:
+        raise SpecError(f"--expr: {text!r} does not depend on x")
+    cls = "InvAct" + "".join(part.capitalize() for part in name.split("_"))
+    return Entry(name, f, sympy.diff(f, X), TorchForward(formula=f), _triton_form(f), monotone,
+                 module=Module(cls))  # fmt: skip
+
+
 def _bounds(v: Any) -> bool:
     """[lo, hi]: two finite numbers, lo < hi."""
     ok = isinstance(v, list) and len(v) == 2

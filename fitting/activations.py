@@ -11,6 +11,7 @@ bit is always 0 and is not stored, and y_min is f's infimum, f(-inf) (the limit 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,11 +50,13 @@ class Activation:
     # 'exact' family (a monotone f: the one branch "right")
     exact_q: tuple[tuple[str, str], ...] | None = None
     derivation: Derivation | None = None
+    # (lo, hi) around T where f' goes from < 0 to >= 0: given by from_expression; else found on [-10, 0]
+    bracket: tuple[float, float] | None = None
     threshold: float = field(init=False)  # T = argmin f; -inf when monotone
     y_min: float = field(init=False)  # f(T); inf f = f(-inf) when monotone
 
     def __post_init__(self) -> None:
-        t = -np.inf if self.monotone else _root_of_derivative(self.df)
+        t = -np.inf if self.monotone else _root_of_derivative(self.df, self.bracket)
         with np.errstate(invalid="ignore"):  # f(-inf) may be NaN (then the entry is rejected below)
             y_min = float(self.f(np.float64(t)))
         # A monotone f's infimum may be -inf (leaky_relu); it may not be NaN or +inf.
@@ -75,14 +78,17 @@ class Activation:
         return float((self.df(np.float64(t + h)) - self.df(np.float64(t - h))) / (2 * h))
 
 
-def _root_of_derivative(df: Callable[[Array], Array]) -> float:
-    """The sign change of f' from negative to positive on [-10, 0], refined by brentq to 1e-15."""
-    grid = np.linspace(-10.0, 0.0, 10001)
-    vals = df(grid)
-    idx = np.flatnonzero((vals[:-1] < 0) & (vals[1:] >= 0))
-    if idx.size != 1:
-        raise ValueError(f"expected one minimum of f on [-10, 0], found {idx.size}")
-    lo, hi = grid[idx[0]], grid[idx[0] + 1]
+def _root_of_derivative(df: Callable[[Array], Array], bracket: tuple[float, float] | None = None) -> float:
+    """The sign change of f' from negative to positive in `bracket`, else on [-10, 0], refined by
+    brentq to 1e-15."""
+    if bracket is None:
+        grid = np.linspace(-10.0, 0.0, 10001)
+        vals = df(grid)
+        idx = np.flatnonzero((vals[:-1] < 0) & (vals[1:] >= 0))
+        if idx.size != 1:
+            raise ValueError(f"expected one minimum of f on [-10, 0], found {idx.size}")
+        bracket = grid[idx[0]], grid[idx[0] + 1]
+    lo, hi = bracket
     return float(optimize.brentq(df, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=200))
 
 
@@ -156,3 +162,53 @@ def get_activation(name: str) -> Activation:
         return ACTIVATIONS[name]
     except KeyError:
         raise UnknownActivation(name) from None
+
+
+# Where a user-defined activation's shape is read: the metric range (fitting.evaluate.X_RANGE), every
+# 0.001. A sign change of f' narrower than that goes unseen.
+_SHAPE_GRID = np.linspace(-20.0, 20.0, 40001)
+
+
+class ShapeError(ValueError):
+    """f is not one InvAct can invert: one line saying why."""
+
+
+def _shape(name: str, f, df) -> tuple[bool, tuple[float, float] | None]:
+    """(monotone, bracket of T) from the signs of f' on _SHAPE_GRID; ShapeError unless f is increasing
+    or decreasing then increasing (flat pieces, f' = 0, allowed anywhere)."""
+    with np.errstate(all="ignore"):
+        fx, d = f(_SHAPE_GRID), df(_SHAPE_GRID)
+    bad = ~(np.isfinite(fx) & np.isfinite(d))
+    if bad.any():
+        raise ShapeError(f"{name}: f or f' is not finite at x = {_SHAPE_GRID[bad][0]:.4g}")
+    nonzero = np.flatnonzero(d != 0)
+    if nonzero.size == 0:
+        raise ShapeError(f"{name}: f is constant on [-20, 20]")
+    signs = np.sign(d[nonzero])
+    turns = np.flatnonzero(signs[1:] != signs[:-1])
+    expected = "InvAct needs f increasing, or decreasing then increasing (one interior minimum)"
+    if turns.size == 0 and signs[0] > 0:
+        return True, None
+    if turns.size == 1 and signs[0] < 0:
+        return False, (float(_SHAPE_GRID[nonzero[turns[0]]]), float(_SHAPE_GRID[nonzero[turns[0] + 1]]))
+    if turns.size == 0:
+        raise ShapeError(f"{name}: f is decreasing on [-20, 20]; {expected}")
+    where = ", ".join(f"{_SHAPE_GRID[nonzero[i]]:.3g}" for i in turns[:4])
+    minima = int(np.sum(signs[turns] < 0))  # a turn from - to + is a minimum
+    raise ShapeError(f"{name}: f' changes sign {turns.size} times on [-20, 20] (near x = {where}: "
+                     f"{minima} minima, {turns.size - minima} maxima); {expected}")  # fmt: skip
+
+
+def from_expression(name: str, text: str) -> tuple[spec.Entry, Activation]:
+    """A user-defined activation f(x) = `text` (parsed by codegen.safe_expr, never evaluated): its spec
+    entry and registry entry, added to ACTIVATIONS for this process. Its shape (monotone, or one
+    minimum T) is read from f'; SpecError or ShapeError (both ValueError) say what is wrong."""
+    if name in ACTIVATIONS:
+        raise spec.SpecError(f"{name!r} is a built-in activation: give yours another name")
+    entry = spec.expression_entry(name, text)
+    f, df = numpy_function(entry.f), numpy_function(entry.df)
+    monotone, bracket = _shape(name, f, df)
+    entry = dataclasses.replace(entry, monotone=monotone)
+    act = Activation(name, f, df, monotone=monotone, bracket=bracket)
+    ACTIVATIONS[name] = act
+    return entry, act

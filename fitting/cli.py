@@ -15,6 +15,7 @@ from __future__ import annotations
 # while numpy, sympy, scipy or matplotlib load is caught there and reported in one line (exit 130).
 import argparse
 import contextlib
+import hashlib
 import os
 import sys
 import tempfile
@@ -84,13 +85,35 @@ def build_parser() -> argparse.ArgumentParser:
             f"{', '.join(sorted(a for a, act in ACTIVATIONS.items() if act.monotone))}. "
             f"families: {', '.join(family_names())} ({SEARCH}: symbolic regression; "
             "see --search-backend). "
-            "Example: invact-fit gelu --family paper --plot gelu.png"
+            "Examples: invact-fit gelu --family paper --plot gelu.png; your own activation: "
+            "invact-fit swish2 --expr 'x*sigmoid(x)**2' --family floor --out swish2.json "
+            "--emit swish2_invact.py"
         ),
     )
-    parser.add_argument("activation", help="activation to fit (see the list below)")
+    parser.add_argument(
+        "activation", help="activation to fit (see the list below), or the name of yours with --expr"
+    )
+    parser.add_argument(
+        "--expr",
+        metavar="EXPR",
+        help="your own activation f(x), in x: +, -, *, /, **, numbers, pi and sqrt, exp, expm1, log, log1p, "
+        "erf, erfc, tanh, Phi, sigmoid, softplus, Abs, Max, Min, Piecewise (parsed, never evaluated). "
+        "f must be increasing, or decreasing then increasing (one minimum) on [-20, 20]. Write "
+        "--expr='-x...' where it starts with a minus",
+    )
+    parser.add_argument(
+        "--emit",
+        type=Path,
+        metavar="PY",
+        help="with --expr: also write a self-contained runtime module; in training, "
+        "invact.load_activation(PY) returns its module class",
+    )
     parser.add_argument("--family", required=True, help="formula family (see the list below)")
     parser.add_argument(
-        "--out", type=Path, help="where to write the JSON (default: coeffs/<activation>/<family>.json)"
+        "--out",
+        type=Path,
+        help="where to write the JSON (default: coeffs/<activation>/<family>.json; with --expr "
+        "<activation>.json in the current folder)",
     )
     parser.add_argument(
         "--plot",
@@ -205,6 +228,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from fitting.activations import UnknownActivation, get_activation
     from fitting.families import SEARCH, UnknownFamily, get_family
 
+    entry = _user_activation(args)
     if args.family == SEARCH:
         return run_search(args, console)
     try:
@@ -213,7 +237,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except (UnknownActivation, UnknownFamily) as e:
         raise UsageError(str(e)) from None
     out = args.out or default_coeffs_dir() / args.activation / f"{args.family}.json"
+    if args.expr is not None and args.out is None:
+        out = Path(f"{args.activation}.json")
     _check_writable(out, "output")
+    if args.emit:
+        _check_writable(args.emit, "--emit module")
+        if args.emit.suffix != ".py":
+            raise UsageError(f"--emit {args.emit}: the module must be a .py file")
     defaults_text = _defaults_with(args.activation, args.family, out) if args.codegen else None
     plot_format = _check_plot(args.plot) if args.plot else None
     start = None
@@ -240,6 +270,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
             from fitting.plot import figure_bytes
 
             image = figure_bytes(fit, plot_format)
+        emitted = None
+        if args.emit:
+            from codegen.coeffs_json import loads
+            from codegen.render import render_emitted
+
+            sources = [(out.as_posix(), hashlib.sha256(text.encode("utf-8")).hexdigest())]
+            command = f"invact-fit {args.activation} --expr {args.expr!r} --family {args.family} --emit"
+            emitted = render_emitted(loads(text, out), entry, sources, command)
         regenerate = None
         if args.codegen:
             from codegen.__main__ import plan
@@ -254,6 +292,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(args.plot, image)
         print(f"plot written to {args.plot}")
+    if emitted is not None:
+        args.emit.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.emit, emitted)
+        print(f"runtime module written to {args.emit}: invact.load_activation({str(args.emit)!r})")
     if defaults_text is not None:
         write_atomic(_defaults_path(), defaults_text)
         print(f"added {args.activation!r}: {args.family!r} to {_defaults_path()}")
@@ -262,6 +304,26 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
         apply(regenerate)
     return 0
+
+
+def _user_activation(args: argparse.Namespace):
+    """With --expr: the user's activation, registered for this process (its spec entry); else None.
+    UsageError for an expression that is not math, a shape InvAct cannot invert, or options that
+    need a built-in."""
+    if args.expr is None:
+        if args.emit:
+            raise UsageError("--emit writes the runtime module of your own activation: give it with --expr")
+        return None
+    if args.codegen:
+        raise UsageError("--codegen regenerates the built-in activations; yours goes to --emit (to build it "
+                         "in, add an entry to coeffs/activations.json)")  # fmt: skip
+    from fitting.activations import from_expression
+
+    try:
+        entry, _ = from_expression(args.activation, args.expr)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return entry
 
 
 def _defaults_path() -> Path:

@@ -13,6 +13,7 @@ invact/_generated/modules.py) take torch's constructor arguments.
 from invact import functional, memory
 from invact._generated import modules as _generated_modules
 from invact._generated.modules import *  # noqa: F403 - the torch-compatible classes
+from invact.loader import load_activation
 from invact.modules import InvAct
 from invact.ops import backend_for
 from invact.patch import patch, plan
@@ -23,6 +24,7 @@ __all__ = [
     "InvAct",
     "backend_for",
     "functional",
+    "load_activation",
     "memory",
     "patch",
     "plan",

@@ -1,0 +1,87 @@
+"""load_activation: a user-defined activation, fitted and printed by `invact-fit NAME --expr TEXT
+--family floor --emit NAME_invact.py`, as an InvAct module class, without changing the package.
+
+The emitted file is Python that invact-fit printed from your expression and fit: loading it imports
+(runs) it, as any import does, so load only files you made or trust. It is checked to be an emitted
+module before its activation is added to invact.activations.ACTIVATIONS for this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from invact.activations import Activation, register
+from invact.modules import InvAct
+
+EMITTED_FORMAT = 1  # the layout codegen.render.render_emitted prints
+# What the runtime reads from an emitted module: the torch, numba and Triton views and the constants.
+_REQUIRED = ("ACTIVATION", "MODULE_CLASS", "FAMILY", "MONOTONE", "THRESHOLD", "Y_MIN", "torch_forward", "f64",
+             "df64", "q_right", "q_right_scalar", "triton_forward", "triton_q_right")  # fmt: skip
+_BRANCHED = ("q_left", "q_left_scalar", "triton_q_left")  # also required unless MONOTONE
+_LOADED: dict[tuple[Path, str], type[InvAct]] = {}  # (resolved path, sha256 of its bytes) -> class
+
+
+def load_activation(path: str | os.PathLike) -> type[InvAct]:
+    """The module class of the activation in the file `invact-fit --emit` wrote: `Cls(mode="bits")`
+    behaves like the built-in classes (bits or precision-bit mode, Triton on CUDA, the numba backward
+    on CPU, torch.compile, gradcheck in float64); `invact.InvAct(name)` and
+    `invact.functional.invact(x, name)` serve it too. Loading the same file again returns the same
+    class. ValueError (one line) for a file that is not an emitted module, or whose activation's
+    name is taken (a built-in, or another file loaded already)."""
+    path = Path(path).resolve()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    key = (path, hashlib.sha256(data).hexdigest())
+    if key in _LOADED:
+        return _LOADED[key]
+    module = _import(path, key[1])
+    name = module.ACTIVATION
+    cls = type(module.MODULE_CLASS, (InvAct,), {
+        "__init__": _init(name),
+        "__doc__": f"{name}: f(x) = {module.FORMULA}, saving its output"
+        + ("" if module.MONOTONE else " and one bit per element") + f" (loaded from {path}).",
+        "__module__": module.__name__,
+    })  # fmt: skip
+    register(Activation(name, emitted=module))
+    _LOADED[key] = cls
+    return cls
+
+
+def _init(name: str):
+    def __init__(self, mode: str = "bits") -> None:
+        InvAct.__init__(self, name, mode)
+
+    return __init__
+
+
+def _import(path: Path, digest: str):
+    """Import the file under a name of its own, checking that it is an emitted module."""
+    if path.suffix != ".py":
+        raise ValueError(f"{path}: expected the .py file invact-fit --emit wrote")
+    module_name = f"invact_user_{path.stem}_{digest[:12]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # inspect (Triton reads the source) and pickling find it there
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[module_name]
+        raise
+    if getattr(module, "EMITTED_FORMAT", None) != EMITTED_FORMAT:
+        del sys.modules[module_name]
+        raise ValueError(f"{path}: not a module printed by invact-fit --emit (format {EMITTED_FORMAT})")
+    missing = [n for n in _REQUIRED + (() if module.MONOTONE else _BRANCHED) if not hasattr(module, n)]
+    if missing:
+        del sys.modules[module_name]
+        raise ValueError(f"{path}: an emitted module lacks {', '.join(missing)}")
+    name = module.ACTIVATION
+    if not (isinstance(name, str) and name.isidentifier()):
+        del sys.modules[module_name]
+        raise ValueError(f"{path}: ACTIVATION must be a name, got {name!r}")
+    return module

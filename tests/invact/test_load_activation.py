@@ -1,0 +1,160 @@
+"""A user-defined activation, made up here (not a built-in), from `invact-fit NAME --expr` to a
+training step through invact.load_activation: no file of the package changes on the way."""
+
+import pytest
+import torch
+from torch import nn
+
+import invact
+from codegen import render, spec
+from fitting import activations as fitting_activations
+from fitting import cli
+from invact import loader
+from invact.activations import ACTIVATIONS
+from tests.invact.test_functional import FP32_Q_ROUNDING, _fp32_bound
+
+NAME = "swish_squared"
+EXPR = "x*sigmoid(x)**2"  # decreasing then increasing, f -> 0 on the left, slope -> 1 on the right
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory):
+    """The --emit module's path, written by the CLI (in this process, as a user would run it)."""
+    folder = tmp_path_factory.mktemp("user")
+    args = [NAME, "--expr", EXPR, "--family", "floor", "--out", str(folder / f"{NAME}.json")]
+    assert cli.main([*args, "--emit", str(folder / f"{NAME}_invact.py")]) == 0
+    yield folder / f"{NAME}_invact.py"
+    fitting_activations.ACTIVATIONS.pop(NAME, None)
+
+
+@pytest.fixture(scope="module")
+def act_class(emitted):
+    cls = invact.load_activation(emitted)
+    yield cls
+    ACTIVATIONS.pop(NAME, None)  # this process's registry, as before the test
+    loader._LOADED.clear()
+
+
+def test_the_activation_is_made_up():
+    assert NAME not in spec.load() and NAME not in ACTIVATIONS
+
+
+def test_loader_reads_the_format_codegen_prints():
+    assert loader.EMITTED_FORMAT == render.EMITTED_FORMAT
+
+
+def test_the_fit_reaches_the_floor_familys_goal(act_class):
+    from fitting.families.floor import GOAL
+
+    errors = ACTIVATIONS[NAME].generated.ERRORS
+    assert max(e["linf_fp32"] for e in errors.values()) <= GOAL
+
+
+def test_loading_again_returns_the_same_class(act_class, emitted):
+    assert invact.load_activation(emitted) is act_class
+    assert act_class.__name__ == "InvActSwishSquared"
+
+
+def _gradient_error(m: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """|dx/dy - f'(x)| per element, f' in float64 from the emitted module, net of q's fp32 rounding."""
+    x = x.detach().requires_grad_()
+    m(x).backward(dy)
+    q = x.grad.double() / dy.double()
+    df = ACTIVATIONS[NAME].df(x.detach().double())
+    return (q - df).abs() - FP32_Q_ROUNDING * df.abs().clamp_min(1)
+
+
+@pytest.mark.parametrize("mode", ["bits", "precision_bit"])
+def test_training_step_gradient_within_the_fitted_error(act_class, mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), act_class(mode), nn.Linear(256, 1))
+    seen = {}
+    model[1].register_forward_hook(lambda mod, inp, out: seen.update(x=inp[0]))
+    model[1].register_full_backward_hook(lambda mod, gin, gout: seen.update(dx=gin[0], dy=gout[0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, target = torch.randn(64, 16) * 3, torch.randn(64, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = nn.functional.mse_loss(model(inputs), target)
+    loss.backward()
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    x, dx, dy = seen["x"].detach(), seen["dx"], seen["dy"]
+    df = ACTIVATIONS[NAME].df(x.double())
+    used = dy != 0
+    err = (dx.double() / dy.double() - df).abs() - FP32_Q_ROUNDING * df.abs().clamp_min(1)
+    # The recorded fit error (linf_fp32, per branch) plus what storing y in fp32 costs near the cusp.
+    assert err[used].max().item() <= _fp32_bound(NAME)
+
+
+def test_gradient_bound_over_many_inputs(act_class):
+    torch.manual_seed(1)
+    x, dy = torch.randn(2**16) * 4, torch.randn(2**16)
+    assert _gradient_error(act_class(), x, dy).max().item() <= _fp32_bound(NAME)
+
+
+def test_gradcheck_float64(act_class):
+    x = (torch.randn(40, dtype=torch.float64) * 3).requires_grad_()
+    assert torch.autograd.gradcheck(act_class(), (x,))
+
+
+def test_compile_fullgraph(act_class):
+    torch.manual_seed(2)
+    m = act_class()
+    x, dy = torch.randn(1000), torch.randn(1000)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    xc = x.clone().requires_grad_()
+    compiled(xc).backward(dy)
+    xe = x.clone().requires_grad_()
+    m(xe).backward(dy)
+    assert torch.equal(xc.grad, xe.grad)
+
+
+def test_triton_backend(act_class, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("INVACT_BACKEND", "triton")  # on CPU tensors: under the interpreter (conftest)
+    torch.manual_seed(3)
+    x, dy = (torch.randn(3000) * 4).to(DEVICE), torch.randn(3000).to(DEVICE)
+    err = _gradient_error(act_class(), x, dy)
+    # Triton's fp32 forward is not torch's bitwise: y differs by a few ulps, which the storage term of
+    # the bound covers as it does for the built-ins (tests/invact/test_triton.py).
+    assert err.max().item() <= _fp32_bound(NAME)
+
+
+def test_the_generic_module_and_function_serve_it(act_class):
+    x = torch.randn(100)
+    assert torch.equal(invact.InvAct(NAME)(x), act_class()(x))
+    assert torch.equal(invact.functional.invact(x, NAME), act_class()(x))
+
+
+@pytest.mark.parametrize(
+    ("expr", "message"),
+    [
+        ("x**3 - 3*x", "changes sign 2 times"),
+        ("-x", "decreasing"),
+        ("__import__('os')", "not allowed"),
+        ("x.real", "not allowed"),
+        ("2*x*sigmoid(x)", "slope tends to 1"),
+    ],
+)
+def test_unusable_expressions_are_one_line_errors(expr, message, tmp_path, capsys):
+    name = "made_up_" + str(abs(hash(expr)) % 10**6)
+    try:
+        rc = cli.main([name, f"--expr={expr}", "--family", "floor", "--out", str(tmp_path / "c.json")])
+    finally:
+        fitting_activations.ACTIVATIONS.pop(name, None)
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_a_built_in_name_is_refused(capsys):
+    assert cli.main(["gelu", "--expr", "x*Phi(x)", "--family", "floor"]) == 2
+    assert "built-in" in capsys.readouterr().err
+
+
+def test_loading_a_file_that_is_not_emitted(tmp_path):
+    path = tmp_path / "other.py"
+    path.write_text("X = 1\n")
+    with pytest.raises(ValueError, match="not a module printed by invact-fit --emit"):
+        invact.load_activation(path)
