@@ -22,6 +22,8 @@ lattice points next to y_min, where one fp32 y_min would cost up to ~1e-4 in q. 
 of low degree, so their monomial coefficients stay small and Horner loses little in fp32 (tested
 against the generated torch code evaluated in fp32).
 
+A monotone activation bounded on both sides has one branch of two pieces, one per end (monotone_form).
+
 Splits and degrees are chosen per activation: each piece gets the smallest degree whose Chebyshev
 least-squares start is within GOAL/2 on the metric grid, and the split with the fewest flops wins.
 The pipeline then refines all coefficients to minimax. The forms use f and f' only, so derived
@@ -195,8 +197,59 @@ def right_form(act: Activation, split: float) -> tuple[BranchForm, int]:
     return _two_pieces(y, t, split, near, far)
 
 
-@register("floor", native=True)
+# A monotone activation bounded on both sides (CDF- or sigmoid-shaped: laplace): q -> 0 at both ends.
+# One branch, two pieces split at the steepest point y_mid = f(argmax f'): below it q = u P(w),
+# u = y - y_min, w = sqrt(-log(u / U)); above it q = v P(w), v = y_max - y, the same form mirrored.
+# q / u = f'/(f - y_min) is smooth in w out to u -> 0 (-z for a Gaussian tail, 1 - u for a logistic
+# one), as on the left branch of a two-branch f. U = 2 (y_mid - y_min) (2 (y_max - y_mid) above)
+# keeps u / U <= 1/2, so w >= sqrt(log 2) > 0. Measured for laplace: one piece of degree 7 reaches 2.5e-6
+# by least squares on each side.
+_STEEPEST_GRID = np.linspace(-20.0, 20.0, 40001)  # where argmax f' is looked for (the metric range)
+_FAR_X = 1e4  # y_max = f(_FAR_X): f is flat to float64 there when f'(20) < CUT
+
+
+def _fp32_pair(value: float) -> tuple[sympy.Float, sympy.Float]:
+    """(hi, lo): hi = fp32(value), lo = value - hi, so y - value = (y - hi) - lo is exact to fp32 rounding
+    near value (Sterbenz), as in _s."""
+    hi = float(np.float32(value))
+    return _f(hi), _f(value - hi)
+
+
+def _tail_piece(act: Activation, distance: sympy.Expr, scale: float, d: Numeric, t: Numeric) -> Piece:
+    """q = distance * P(w), w = sqrt(-log(distance / scale)) capped where |q| < CUT; `d` the samples'
+    distance, `t` their targets."""
+    w = sqrt(-log(Max(distance * _f(1.0 / scale), _f(FP32_TINY))))
+    cap = _rounded(np.sqrt(-np.log(d[np.flatnonzero(np.abs(t) > CUT)].min() / scale)))
+    return Piece(sympy.S.Zero, distance, Min(w, _f(cap)), _rounded(np.sqrt(np.log(2.0))), cap)
+
+
+def monotone_form(act: Activation) -> tuple[BranchForm, int]:
+    y, t = _samples(act, "right")
+    with np.errstate(all="ignore"):
+        y_max, slope_end = float(act.f(np.float64(_FAR_X))), float(act.df(np.float64(_STEEPEST_GRID[-1])))
+    if not (np.isfinite(act.y_min) and np.isfinite(y_max) and abs(slope_end) < CUT and t[0] < CUT):
+        raise UnknownFamily(f"family 'floor' fits a monotone activation bounded on both sides (CDF- or "
+                            f"sigmoid-shaped, f' -> 0 at both ends); {act.name} has f' = {t[0]:.3g} at "
+                            f"x = -20 and {slope_end:.3g} at x = 20")  # fmt: skip
+    x_mid = _STEEPEST_GRID[np.argmax(act.df(_STEEPEST_GRID))]
+    split = _rounded(float(act.f(np.float64(x_mid))))
+    lo_hi, lo_lo = _fp32_pair(act.y_min)
+    hi_hi, hi_lo = _fp32_pair(y_max)
+    u = Max(Y - lo_hi, sympy.S.Zero) - lo_lo  # y - y_min
+    v = Max(hi_hi - Y, sympy.S.Zero) + hi_lo  # y_max - y
+    below = y < split
+    low = _tail_piece(act, u, 2 * (split - act.y_min), y[below] - act.y_min, t[below])
+    high = _tail_piece(act, v, 2 * (y_max - split), y_max - y[~below], t[~below])
+    return _two_pieces(y, t, split, low, high)
+
+
+@register("floor", native=True, monotone=True)
 def floor(act: Activation) -> Family:
+    if act.monotone:
+        form, _ = monotone_form(act)
+        return Family("floor", act.name, {"right": form}, published=False,
+                      source="invact 'floor' family, monotone: u P(sqrt(-log u)) toward each end, u the "
+                      "distance from y_min or y_max (fitting/families/floor.py)")  # fmt: skip
     left = min((left_form(act, f) for f in LEFT_SPLITS), key=lambda form_size: form_size[1])
     right = min((right_form(act, s) for s in RIGHT_SPLITS), key=lambda form_size: form_size[1])
     return Family(

@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 import sympy
+from scipy import special
 from sympy.codegen.cfunctions import expm1
 
+from codegen import spec
 from codegen.coeffs_json import ALLOWED_FUNCTIONS
 from fitting.activations import get_activation
 from fitting.evaluate import FORMATS, compile_q, lattice
@@ -116,11 +118,39 @@ def test_exact_family_needs_a_registered_closed_form(activation):
         get_family("exact", activation)
 
 
-@pytest.mark.parametrize("family", ["paper", "floor"])
-def test_two_branch_families_refuse_a_monotone_activation(family):
+def test_two_branch_families_refuse_a_monotone_activation():
     with pytest.raises(UnknownFamily) as info:
-        get_family(family, "softplus")
+        get_family("paper", "softplus")
     assert str(info.value) == (
-        f"softplus is monotone (one branch, no bit), and family '{family}' fits two branches: "
-        "use --family exact"
+        "softplus is monotone (one branch, no bit), and family 'paper' fits two branches: "
+        "use --family exact or --family floor"
     )
+
+
+@pytest.mark.parametrize(
+    ("expr", "q_of_y"),
+    [
+        ("sigmoid(x)", lambda y: y * (1 - y)),  # logistic tails
+        ("Phi(2*x)", lambda y: 2 * np.exp(-(special.ndtri(y) ** 2) / 2) / np.sqrt(2 * np.pi)),  # Gaussian
+    ],
+)
+def test_floor_fits_bounded_monotone_activations(expr, q_of_y):
+    from codegen.spec import formula
+    from fitting.activations import Activation, numpy_function
+    from fitting.families.floor import GOAL, monotone_form
+
+    f = formula(expr, "test")
+    act = Activation("bounded", numpy_function(f), numpy_function(f.diff(spec.X)), monotone=True)
+    form, _ = monotone_form(act)
+    y = act.f(np.linspace(-20, 20, 20001))
+    y = y[(y > 0) & (y < 1)]
+    q = compile_q(form.substituted(form.start))
+    # Each side's start is within GOAL/2 on the metric grid (floor.Piece.start): here against closed forms.
+    assert np.abs(q(y) - q_of_y(y)).max() <= GOAL / 2
+
+
+def test_floor_refuses_an_unbounded_monotone_activation():
+    from fitting.families.floor import monotone_form
+
+    with pytest.raises(UnknownFamily, match="bounded on both sides"):
+        monotone_form(get_activation("softplus"))
