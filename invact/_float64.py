@@ -12,6 +12,7 @@ from invact import _bits
 from invact.activations import Activation
 
 _MAX_ITER = 200
+_MAX_DOUBLINGS = 64  # of the upper end of a monotone bracket: from >= 1 to past 1.8e19
 _LEFT_END = -800.0  # f(-800) is 0 or -0 in float64 for every activation here
 
 
@@ -31,11 +32,20 @@ def invert(act: Activation, y: torch.Tensor, left: torch.Tensor | None) -> torch
 
 
 def _invert_monotone(act: Activation, y: torch.Tensor) -> torch.Tensor:
-    """The monotone case: f(x) >= x and f > 0, so the root lies in [-800, max(y, 0) + 1]."""
+    """The monotone case: the root lies in [-800, hi], hi = max(y, 0) + 1 where f(x) >= x, doubled
+    until f(hi) >= y where f lies below x (a bounded f, a CDF); y above sup f maps to +inf."""
     y = torch.clamp_min(y, act.y_min)
     lo, hi = torch.full_like(y, _LEFT_END), torch.clamp_min(y, 0) + 1
+    for _ in range(_MAX_DOUBLINGS):
+        short = act.f(hi) < y
+        if not bool(short.any()):
+            break
+        hi = torch.where(short, 2 * hi, hi)
+    beyond = act.f(hi) < y  # past sup f (a neighbour of y = sup f, say): x = +inf, as far as y tells
     positive = torch.full_like(y, act.y_min >= 0, dtype=torch.bool)
-    x = _newton(act, torch.where(y > act.y_min, y, hi), lo, hi, log_residual=positive, sign=1.0)
+    inside = (y > act.y_min) & ~beyond
+    x = _newton(act, torch.where(inside, y, act.f(hi)), lo, hi, log_residual=positive, sign=1.0)
+    x = torch.where(beyond, torch.full_like(x, float("inf")), x)
     return torch.where(y > act.y_min, x, torch.full_like(x, float("-inf")))
 
 

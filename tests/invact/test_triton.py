@@ -35,7 +35,15 @@ def test_forward_bits_match_the_torch_backend(name, dtype):
         y, bits = _triton.forward(act, x, precision_bit=False)
         want_y, want_bits = torch.ops.invact.forward(x.cpu(), name, False)
         assert torch.equal(bits.cpu(), want_bits), (n, dtype)
-        assert _scaled_ulps(y.cpu(), want_y, x.cpu()).max() <= 6, (n, dtype)
+        # Within 6 ulps of torch's on the scale of the terms (below), or as close to the true f as
+        # torch's own forward to a factor 2: where torch's formula adds constants (laplace's
+        # 0.5 erf(a x - b) + 0.5) the cancelling terms are O(1) whatever x is, and where torch rounds
+        # a half-type formula op by op it is further from f than the kernel, which rounds once
+        # (laplace in fp16: 32 ulps apart at x = 0.006, the kernel's y correct to the last bit).
+        near = _scaled_ulps(y.cpu(), want_y, x.cpu()) <= 6
+        truth = act.f(x.cpu().double())
+        as_good = (y.cpu().double() - truth).abs() <= 2 * (want_y.double() - truth).abs()
+        assert (near | as_good).all(), (n, dtype)
 
 
 def _scaled_ulps(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
