@@ -124,7 +124,7 @@ def _float64_views(entry: spec.Entry) -> str:
     """f64(x), df64(x): f and f' for the float64 (gradcheck) path, from the spec's formulas."""
     derived = "sympy's derivative of f" if not entry.df_given else "the spec's stable form"
     text = f'''def f64(x: torch.Tensor) -> torch.Tensor:
-    """f in float64 (the exact path inverts it)."""
+    """f in float64 (the float64 backward inverts it)."""
 {function_body(fold_constants(entry.f), ReferenceTorchPrinter(), variable=spec.X)}
 
 

@@ -25,7 +25,7 @@ def torch_forward(x: torch.Tensor) -> torch.Tensor:
 
 
 def f64(x: torch.Tensor) -> torch.Tensor:
-    """f in float64 (the exact path inverts it)."""
+    """f in float64 (the float64 backward inverts it)."""
     return torch.clamp_max(torch.clamp_min(x*torch.special.ndtr(x), -10.0), 10.0)
 
 

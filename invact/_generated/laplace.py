@@ -25,7 +25,7 @@ def torch_forward(x: torch.Tensor) -> torch.Tensor:
 
 
 def f64(x: torch.Tensor) -> torch.Tensor:
-    """f in float64 (the exact path inverts it)."""
+    """f in float64 (the float64 backward inverts it)."""
     return torch.special.ndtr(x*3.544905085166345 - 2.5066272000567187)
 
 

@@ -26,7 +26,7 @@ def torch_forward(x: torch.Tensor) -> torch.Tensor:
 
 
 def f64(x: torch.Tensor) -> torch.Tensor:
-    """f in float64 (the exact path inverts it)."""
+    """f in float64 (the float64 backward inverts it)."""
     return torch.where((x > 0.0), (x*x), 0.0)
 
 
