@@ -58,6 +58,10 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
             self._storages[ptr] = (t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."))
         return t
 
+    # It returns the tensor itself: invact.gated's hooks, nested inside, hand it what they keep, so
+    # a gated product recomputed in backward is (correctly) not counted.
+    _pack._invact_observer = True
+
     def __enter__(self) -> count_saved:
         self._hooks.__enter__()
         return self

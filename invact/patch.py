@@ -22,6 +22,7 @@ from torch import nn
 from invact import _generated
 from invact._generated import modules as _classes
 from invact.activations import ACTIVATIONS
+from invact.gated import recompute_products
 from invact.modules import InvAct
 
 log = logging.getLogger("invact")
@@ -252,11 +253,22 @@ def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", ex
 
 
 def patch(
-    model: nn.Module, *, include=None, exclude=None, mode: str = "bits", example_inputs=None
+    model: nn.Module,
+    *,
+    include=None,
+    exclude=None,
+    mode: str = "bits",
+    example_inputs=None,
+    gated: bool = True,
 ) -> list[str]:
     """Replace, in place, every activation that InvAct reproduces exactly and that saves memory; return
     their names. Arguments as for plan(); with `example_inputs` the saving is measured per activation
     and nothing that would add memory is replaced.
+
+    `gated` (default True): also hook the module holding each InvAct activation (its parent: the MLP)
+    so that nothing in it saves a copy of a gated product act(g) * u (the down projection's input, be
+    it nn.Linear, PEFT's LoRA layer or a functional call in MoE experts): it is recomputed from the y
+    and u the multiply saves (invact.gated). gated=False keeps the activation-only behaviour.
 
     Works on any device and dtype (InvAct modules hold no parameters) and inside wrappers such as
     PEFT's. A module instance shared by several parents is replaced by one shared InvAct module. An
@@ -283,7 +295,18 @@ def patch(
                 new.train(old.training if isinstance(old, nn.Module) else parent.training)
             setattr(parent, attr, new)
         replaced.append(d.name)
+    if gated:  # beside every selected InvAct module, replaced now or by an earlier patch(gated=False)
+        invact_modules = [n for n, m in model.named_modules() if isinstance(m, InvAct)]
+        _hook_gated_products(model, [n for n in invact_modules if _selected(n, include, exclude)])
     return replaced
+
+
+def _hook_gated_products(model: nn.Module, names: list[str]) -> None:
+    """invact.gated.recompute_products on the modules holding these InvAct modules."""
+    for name in names:
+        if name and recompute_products(_parent(model, name)[0]):
+            log.info("invact.patch: %s saves no copy of a gated product (recomputed in backward)",
+                     name.rpartition(".")[0] or "the model")  # fmt: skip
 
 
 def _as_call(example_inputs) -> tuple[tuple, dict]:

@@ -25,6 +25,11 @@ def test_small_run(tmp_path):
         # within 5% of the ideal (every activation input freed, bits added): what the README claims
         assert achieved >= 0.95 * r["ideal_saving"], r["model"]
         assert r["invact_precision_bit"] < r["invact_bits"]  # no bits saved at all
+        # The gated path (patch's default) drops every gated product a down projection is given, and
+        # changes nothing where there is none (the encoders, GPT-2): exactly its ideal, in both cases.
+        assert r["invact_bits"] - r["invact_gated"] == r["ideal_gated_saving"] - r["ideal_saving"], r["model"]
+    gated = [r for r in rows if "SwiGLU" in r["model"]]
+    assert gated and all(r["invact_gated"] < r["invact_bits"] for r in gated)
 
 
 def test_bad_arguments(tmp_path):

@@ -1,0 +1,188 @@
+"""Gated MLPs (down(act(g) * u)) under patch(): the down projection keeps no copy of the product,
+measured without saved-tensor hooks (net memory held after the forward, from the profiler), with
+gradients bitwise those of the activation-only patch (the product is recomputed exactly)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import invact
+from invact.gated import _product_node, recompute_products
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, HIDDEN, INTERMEDIATE, LAYERS, TOP_K = 2, 16, 64, 160, 2, 2
+
+
+def _held_bytes(model: nn.Module, inputs: dict) -> int:
+    """Bytes allocated and not freed during one training forward (what autograd keeps, plus the
+    output): the sum of the profiler's self_cpu_memory_usage over its events. No saved-tensor hooks."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(**inputs).last_hidden_state
+    held = sum(e.self_cpu_memory_usage for e in prof.events())
+    del out
+    return held
+
+
+def _decoders():
+    from transformers import (
+        GemmaConfig,
+        GemmaModel,
+        LlamaConfig,
+        LlamaModel,
+        MistralConfig,
+        MistralModel,
+        MixtralConfig,
+        MixtralModel,
+        Phi3Config,
+        Phi3Model,
+        Qwen2Config,
+        Qwen2Model,
+        Qwen3Config,
+        Qwen3Model,
+    )  # fmt: skip
+
+    common = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=4,
+                  num_hidden_layers=LAYERS, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    return {
+        "llama (SwiGLU)": lambda: LlamaModel(LlamaConfig(**common)),
+        "mistral (SwiGLU)": lambda: MistralModel(MistralConfig(**common)),
+        "qwen2 (SwiGLU)": lambda: Qwen2Model(Qwen2Config(**common)),
+        "qwen3 (SwiGLU)": lambda: Qwen3Model(Qwen3Config(**common, head_dim=16)),
+        "gemma (tanh-GELU GeGLU)": lambda: GemmaModel(GemmaConfig(**common, head_dim=16)),
+        "phi3 (fused gate_up_proj)": lambda: Phi3Model(Phi3Config(**common, pad_token_id=0)),
+        # MoE experts: the down projection is a functional call inside the experts module; every
+        # token goes to TOP_K experts, each saving its rows of the product
+        "mixtral (MoE experts)": lambda: MixtralModel(
+            MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=TOP_K)
+        ),
+    }
+
+
+def _pair(make, dtype=torch.float32):
+    """The same decoder patched twice: activation-only and gated."""
+    torch.manual_seed(0)
+    plain = make().to(dtype).train()
+    gated = make().to(dtype).train()
+    gated.load_state_dict(plain.state_dict())
+    assert invact.patch(plain, gated=False) and invact.patch(gated)
+    return plain, gated
+
+
+@pytest.mark.parametrize("label", list(_decoders()))
+def test_the_down_projection_keeps_no_copy_of_the_product(label):
+    plain, gated = _pair(_decoders()[label])
+    inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
+    saving = _held_bytes(plain, inputs) - _held_bytes(gated, inputs)
+    ideal = LAYERS * BATCH * SEQ * INTERMEDIATE * 4  # one fp32 product per MLP
+    if "MoE" in label:
+        ideal *= TOP_K
+    assert abs(saving - ideal) <= 0.01 * ideal, (saving, ideal)
+
+
+@pytest.mark.parametrize("label", list(_decoders()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_the_activation_only_patchs_bitwise(label, dtype):
+    plain, gated = _pair(_decoders()[label], dtype)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    for m in (plain, gated):
+        m(input_ids=ids).last_hidden_state.float().square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), gated.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def _mlp():
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up = nn.Linear(HIDDEN, INTERMEDIATE), nn.Linear(HIDDEN, INTERMEDIATE)
+            self.down, self.act = nn.Linear(INTERMEDIATE, HIDDEN), nn.SiLU()
+
+        def forward(self, x):
+            return self.down(self.act(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    return MLP()
+
+
+def test_under_checkpointing_and_compile_nothing_changes_but_the_memory():
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    grads = []
+    for variant in ("plain", "checkpointed", "compiled"):
+        m = _mlp()
+        invact.patch(m)
+        xi = x.clone().requires_grad_()
+        if variant == "checkpointed":  # outer saved-tensor hooks: the gated path stands aside
+            out = torch.utils.checkpoint.checkpoint(m, xi, use_reentrant=False)
+        elif variant == "compiled":
+            out = torch.compile(m, fullgraph=True, backend="aot_eager")(xi)
+        else:
+            out = m(xi)
+        out.square().sum().backward()
+        grads.append((xi.grad, [p.grad for p in m.parameters()]))
+    for gx, gp in grads[1:]:
+        assert torch.allclose(gx, grads[0][0], rtol=1e-6, atol=1e-7)  # compile may fuse: rounding only
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(gp, grads[0][1], strict=True))
+
+
+def test_dropout_between_product_and_down_projection_is_left_alone():
+    m = _mlp()
+    invact.patch(m)
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    h = m.act(m.gate(x)) * m.up(x)
+    assert _product_node(h) is not None
+    assert _product_node(nn.functional.dropout(h, 0.1)) is None  # the dropped-out tensor is saved
+    assert _product_node(m.gate(x) * m.up(x)) is None  # no InvAct operand: nothing to recompute from
+
+
+def test_hooking_is_idempotent():
+    m = _mlp()
+    invact.patch(m)
+    assert not recompute_products(m)  # patch() hooked the module holding the activation already
+    invact.patch(m)
+    assert len(m._forward_pre_hooks) == 1
+
+
+def test_lora_wrapped_down_projection_saves_the_product_and_trains():
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaModel
+
+    def make():
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=4,
+                             num_hidden_layers=1, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+        # LoRA on all three projections: with the base weights frozen, g and u need grad only through
+        # gate's and up's adapters (with LoRA on down_proj alone, nothing before it needs grad, y and u
+        # are not saved and the product is the only copy: nothing to recompute from).
+        lora = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"])
+        return peft.get_peft_model(LlamaModel(config), lora)
+
+    plain, model = make(), make()
+    invact.patch(plain, gated=False)
+    invact.patch(model)
+    ids = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
+    # The LoRA layer's base Linear and its lora_A (dropout 0: the identity) both save the product.
+    saving = _held_bytes(plain, ids) - _held_bytes(model, ids)
+    ideal = BATCH * SEQ * INTERMEDIATE * 4
+    assert abs(saving - ideal) <= 0.01 * ideal, (saving, ideal)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    before = [p.detach().clone() for p in lora]
+    opt = torch.optim.SGD(lora, lr=1.0)
+    for _ in range(2):
+        model(**ids).last_hidden_state.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(not torch.equal(a, b) for a, b in zip(before, lora, strict=True))
+
+
+def test_invact_memory_counts_the_recomputed_product_as_not_saved():
+    from invact.memory import saved_tensors
+
+    plain, gated = _pair(_decoders()["llama (SwiGLU)"])
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    counted = [saved_tensors(m, input_ids=ids).saved_bytes for m in (plain, gated)]
+    by_hooks = counted[0] - counted[1]
+    by_profiler = _held_bytes(plain, {"input_ids": ids}) - _held_bytes(gated, {"input_ids": ids})
+    assert by_hooks == by_profiler == LAYERS * BATCH * SEQ * INTERMEDIATE * 4
