@@ -232,3 +232,20 @@ def test_compile_fullgraph_of_a_patched_decoder_matches_eager():
     # own partition saves the product): equal to the last bit
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+@pytest.mark.parametrize("case", ["retain_graph", "autocast_bf16"])
+def test_backward_twice_and_autocast_match_the_activation_only_patch(case):
+    plain, gated = _mlp(), _mlp()  # the same seed: the same weights
+    invact.patch(plain, gated=False)
+    invact.patch(gated)
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    for m in (plain, gated):
+        # under autocast the Linear saves its bf16 copy of the product, not the product: left alone
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast_bf16"):
+            loss = m(x.clone().requires_grad_()).float().square().sum()
+        loss.backward(retain_graph=case == "retain_graph")
+        if case == "retain_graph":  # the handle recomputes the product again
+            loss.backward()
+    pairs = zip(plain.parameters(), gated.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
