@@ -80,9 +80,12 @@ _STAND_ASIDE = object()
 
 def _outer_pack():
     """None where no saved-tensor hooks are in force; an observer's pack; else _STAND_ASIDE (hooks
-    that store something else: checkpointing, offloading; also where torch cannot say)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
+    that store something else: checkpointing, offloading; hooks disabled, as torch.func's grad and
+    vjp do, which refuse any; also where torch cannot say)."""
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    if top is None or enabled is None or not enabled():
         return _STAND_ASIDE
     current = top(False)
     if current is None:

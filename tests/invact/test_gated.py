@@ -249,3 +249,24 @@ def test_backward_twice_and_autocast_match_the_activation_only_patch(case):
             loss.backward()
     pairs = zip(plain.parameters(), gated.parameters(), strict=True)
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+
+
+def test_per_sample_gradients_through_torch_func():
+    # torch.func's grad refuses saved-tensor hooks (it disables them): the gated path stands aside.
+    from torch.func import functional_call, grad, vmap
+
+    grads = []
+    for gated in (False, True):
+        m = _mlp()
+        invact.patch(m, gated=gated)
+        params = {k: v.detach() for k, v in m.named_parameters()}
+
+        def loss(p, x, m=m):
+            return functional_call(m, p, (x.unsqueeze(0),)).square().sum()
+
+        grads.append(
+            vmap(grad(loss), in_dims=(None, 0))(
+                params, torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(0))
+            )
+        )
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
