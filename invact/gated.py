@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_INVACT_NODES = ("_EagerBackward",)  # the autograd node of invact.ops' eager function
-_MUL_NODES = ("MulBackward0",)
+from invact.ops import _Eager
+
+_INVACT_NODE = f"{_Eager.__name__}Backward"  # the autograd node of the eager InvAct function
+_MUL_NODE = "MulBackward0"
 
 
 def _product_node(t: torch.Tensor):
@@ -34,12 +36,12 @@ def _product_node(t: torch.Tensor):
     t's view base; None otherwise."""
     base = t if t._base is None else t._base
     node = base.grad_fn
-    if node is None or node.name() not in _MUL_NODES:
+    if node is None or node.name() != _MUL_NODE:
         return None
     operands = [n for n, _ in node.next_functions]
     if any(n is None for n in operands):  # an operand without grad: the multiply saved only one
         return None
-    return node if any(n.name() in _INVACT_NODES for n in operands) else None
+    return node if any(n.name() == _INVACT_NODE for n in operands) else None
 
 
 class _Recompute:

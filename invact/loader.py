@@ -61,7 +61,8 @@ def _init(name: str):
 
 
 def _import(path: Path, digest: str):
-    """Import the file under a name of its own, checking that it is an emitted module."""
+    """Import the file under a name of its own, checking that it is an emitted module; on any failure
+    it leaves nothing behind in sys.modules."""
     if path.suffix != ".py":
         raise ValueError(f"{path}: expected the .py file invact-fit --emit wrote")
     module_name = f"invact_user_{path.stem}_{digest[:12]}"
@@ -70,18 +71,19 @@ def _import(path: Path, digest: str):
     sys.modules[module_name] = module  # inspect (Triton reads the source) and pickling find it there
     try:
         spec.loader.exec_module(module)
-    except Exception:
+        _check(module, path)
+    except BaseException:
         del sys.modules[module_name]
         raise
+    return module
+
+
+def _check(module, path: Path) -> None:
+    """ValueError unless the module is in the format render_emitted prints."""
     if getattr(module, "EMITTED_FORMAT", None) != EMITTED_FORMAT:
-        del sys.modules[module_name]
         raise ValueError(f"{path}: not a module printed by invact-fit --emit (format {EMITTED_FORMAT})")
     missing = [n for n in _REQUIRED + (() if module.MONOTONE else _BRANCHED) if not hasattr(module, n)]
     if missing:
-        del sys.modules[module_name]
         raise ValueError(f"{path}: an emitted module lacks {', '.join(missing)}")
-    name = module.ACTIVATION
-    if not (isinstance(name, str) and name.isidentifier()):
-        del sys.modules[module_name]
-        raise ValueError(f"{path}: ACTIVATION must be a name, got {name!r}")
-    return module
+    if not (isinstance(module.ACTIVATION, str) and module.ACTIVATION.isidentifier()):
+        raise ValueError(f"{path}: ACTIVATION must be a name, got {module.ACTIVATION!r}")
