@@ -211,22 +211,26 @@ from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401
 _TRITON_JIT = "@triton.jit\n"
 
 
+def _triton_functions(c: CoeffFile, entry: spec.Entry, decorator: str = _TRITON_JIT, prefix: str = "") -> str:
+    """The Triton view: {prefix}forward and q per branch, then the helpers they call, each under
+    `decorator`."""
+    body = function_body(fold_constants(entry.triton), TritonPrinter(), variable=spec.X)
+    forward = f'{decorator}def {prefix}forward(x):\n    """f in fp32, the forward kernel\'s."""\n{body}\n'
+    text = f"{forward}\n\n{_functions(c, TritonPrinter(), '', decorator=decorator, prefix=prefix)}"
+    helpers = (_LOG1P_TRITON if "_log1p(" in text else "") + (_EXPM1_TRITON if "_expm1(" in text else "")
+    return text + helpers.replace(_TRITON_JIT, decorator)
+
+
 def render_triton(c: CoeffFile, sources: list[tuple[str, str]], entry: spec.Entry) -> str:
     title = f"{c.activation}, family {c.family!r}: the forward and q {_per_branch(c)} as Triton device"
     title += " functions (fp32 in and out)."
-    forward = f'''{_TRITON_JIT}def forward(x):
-    """f in fp32, the forward kernel's."""
-{function_body(fold_constants(entry.triton), TritonPrinter(), variable=spec.X)}
-'''
-    text = f"{forward}\n\n{_functions(c, TritonPrinter(), '', decorator=_TRITON_JIT)}"
-    helpers = (_LOG1P_TRITON if "_log1p(" in text else "") + (_EXPM1_TRITON if "_expm1(" in text else "")
     return f'''{_header(sources)}"""{title}"""
 
 import triton
 import triton.language as tl
 
 
-{text}{helpers}'''
+{_triton_functions(c, entry)}'''
 
 
 EMITTED_FORMAT = 1  # what invact.load_activation checks: the layout of render_emitted's module
@@ -244,13 +248,7 @@ def render_emitted(c: CoeffFile, entry: spec.Entry, sources: list[tuple[str, str
     torch_view = torch_view[torch_view.index("\nACTIVATION = ") + 1 :]  # its constants and functions
     scalar = ScalarPrinter()
     cpu_view = f"{_functions(c, scalar, '_scalar')}{_left_first_piece(c, scalar)}"
-    body = function_body(fold_constants(entry.triton), TritonPrinter(), variable=spec.X)
-    forward = f'@_jit\ndef triton_forward(x):\n    """f in fp32, the forward kernel\'s."""\n{body}\n'
-    triton_view = forward + "\n\n" + _functions(c, TritonPrinter(), "", decorator="@_jit\n", prefix="triton_")
-    helpers = (_LOG1P_TRITON if "_log1p(" in triton_view else "") + (
-        _EXPM1_TRITON if "_expm1(" in triton_view else ""
-    )
-    triton_view += helpers.replace(_TRITON_JIT, "@_jit\n")
+    triton_view = _triton_functions(c, entry, decorator="@_jit\n", prefix="triton_")
     title = f"{c.activation}: a user-defined InvAct activation, f(x) = {entry.f}; family {c.family!r}."
     header = _header(sources).replace("`python -m codegen`", f"`{command}`")
     return _EMITTED.format(

@@ -166,7 +166,7 @@ def get_activation(name: str) -> Activation:
 
 # Where a user-defined activation's shape is read: the metric range (fitting.evaluate.X_RANGE), every
 # 0.001. A sign change of f' narrower than that goes unseen.
-_SHAPE_GRID = np.linspace(-20.0, 20.0, 40001)
+SHAPE_GRID = np.linspace(-20.0, 20.0, 40001)
 
 
 class ShapeError(ValueError):
@@ -174,13 +174,13 @@ class ShapeError(ValueError):
 
 
 def _shape(name: str, f, df) -> tuple[bool, tuple[float, float] | None]:
-    """(monotone, bracket of T) from the signs of f' on _SHAPE_GRID; ShapeError unless f is increasing
+    """(monotone, bracket of T) from the signs of f' on SHAPE_GRID; ShapeError unless f is increasing
     or decreasing then increasing (flat pieces, f' = 0, allowed anywhere)."""
     with np.errstate(all="ignore"):
-        fx, d = f(_SHAPE_GRID), df(_SHAPE_GRID)
+        fx, d = f(SHAPE_GRID), df(SHAPE_GRID)
     bad = ~(np.isfinite(fx) & np.isfinite(d))
     if bad.any():
-        raise ShapeError(f"{name}: f or f' is not finite at x = {_SHAPE_GRID[bad][0]:.4g}")
+        raise ShapeError(f"{name}: f or f' is not finite at x = {SHAPE_GRID[bad][0]:.4g}")
     nonzero = np.flatnonzero(d != 0)
     if nonzero.size == 0:
         raise ShapeError(f"{name}: f is constant on [-20, 20]")
@@ -190,10 +190,10 @@ def _shape(name: str, f, df) -> tuple[bool, tuple[float, float] | None]:
     if turns.size == 0 and signs[0] > 0:
         return True, None
     if turns.size == 1 and signs[0] < 0:
-        return False, (float(_SHAPE_GRID[nonzero[turns[0]]]), float(_SHAPE_GRID[nonzero[turns[0] + 1]]))
+        return False, (float(SHAPE_GRID[nonzero[turns[0]]]), float(SHAPE_GRID[nonzero[turns[0] + 1]]))
     if turns.size == 0:
         raise ShapeError(f"{name}: f is decreasing on [-20, 20]; {expected}")
-    where = ", ".join(f"{_SHAPE_GRID[nonzero[i]]:.3g}" for i in turns[:4])
+    where = ", ".join(f"{SHAPE_GRID[nonzero[i]]:.3g}" for i in turns[:4])
     minima = int(np.sum(signs[turns] < 0))  # a turn from - to + is a minimum
     raise ShapeError(f"{name}: f' changes sign {turns.size} times on [-20, 20] (near x = {where}: "
                      f"{minima} minima, {turns.size - minima} maxima); {expected}")  # fmt: skip

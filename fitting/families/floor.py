@@ -41,7 +41,7 @@ from numpy.polynomial import chebyshev
 from sympy import Max, Min, Piecewise, exp, log, sqrt
 
 from codegen.safe_expr import parse
-from fitting.activations import Activation
+from fitting.activations import SHAPE_GRID, Activation
 from fitting.evaluate import metric_x_grid
 from fitting.families import BranchForm, Family, UnknownFamily, Y, coefficient_symbols, register
 from fitting.targets import Branch, target
@@ -112,11 +112,17 @@ class Piece:
         return self.a + self.b * horner(coefficients, z)
 
 
+def _fp32_pair(value: float) -> tuple[sympy.Float, sympy.Float]:
+    """(hi, lo): hi = fp32(value), lo = value - hi, so y - value = (y - hi) - lo is exact to fp32 rounding
+    near value (Sterbenz)."""
+    hi = float(np.float32(value))
+    return _f(hi), _f(value - hi)
+
+
 def _s(act: Activation) -> sympy.Expr:
     """sqrt(y - y_min) >= 0, exact to fp32 rounding near the cusp (module docstring)."""
-    hi = float(np.float32(act.y_min))
-    lo = act.y_min - hi
-    return sqrt(Max(Y - _f(hi), _f(lo)) - _f(lo))
+    hi, lo = _fp32_pair(act.y_min)
+    return sqrt(Max(Y - hi, lo) - lo)
 
 
 @functools.lru_cache(maxsize=16)
@@ -204,18 +210,10 @@ def right_form(act: Activation, split: float) -> tuple[BranchForm, int]:
 # one), as on the left branch of a two-branch f. U = 2 (y_mid - y_min) (2 (y_max - y_mid) above)
 # keeps u / U <= 1/2, so w >= sqrt(log 2) > 0. Measured for laplace: one piece of degree 7 reaches 2.5e-6
 # by least squares on each side.
-_STEEPEST_GRID = np.linspace(-20.0, 20.0, 40001)  # where argmax f' is looked for (the metric range)
 _FAR_X = 1e4  # y_max = f(_FAR_X): f is flat to float64 there when f'(20) < CUT
 
 
-def _fp32_pair(value: float) -> tuple[sympy.Float, sympy.Float]:
-    """(hi, lo): hi = fp32(value), lo = value - hi, so y - value = (y - hi) - lo is exact to fp32 rounding
-    near value (Sterbenz), as in _s."""
-    hi = float(np.float32(value))
-    return _f(hi), _f(value - hi)
-
-
-def _tail_piece(act: Activation, distance: sympy.Expr, scale: float, d: Numeric, t: Numeric) -> Piece:
+def _tail_piece(distance: sympy.Expr, scale: float, d: Numeric, t: Numeric) -> Piece:
     """q = distance * P(w), w = sqrt(-log(distance / scale)) capped where |q| < CUT; `d` the samples'
     distance, `t` their targets."""
     w = sqrt(-log(Max(distance * _f(1.0 / scale), _f(FP32_TINY))))
@@ -226,20 +224,20 @@ def _tail_piece(act: Activation, distance: sympy.Expr, scale: float, d: Numeric,
 def monotone_form(act: Activation) -> tuple[BranchForm, int]:
     y, t = _samples(act, "right")
     with np.errstate(all="ignore"):
-        y_max, slope_end = float(act.f(np.float64(_FAR_X))), float(act.df(np.float64(_STEEPEST_GRID[-1])))
+        y_max, slope_end = float(act.f(np.float64(_FAR_X))), float(act.df(np.float64(SHAPE_GRID[-1])))
     if not (np.isfinite(act.y_min) and np.isfinite(y_max) and abs(slope_end) < CUT and t[0] < CUT):
         raise UnknownFamily(f"family 'floor' fits a monotone activation bounded on both sides (CDF- or "
                             f"sigmoid-shaped, f' -> 0 at both ends); {act.name} has f' = {t[0]:.3g} at "
                             f"x = -20 and {slope_end:.3g} at x = 20")  # fmt: skip
-    x_mid = _STEEPEST_GRID[np.argmax(act.df(_STEEPEST_GRID))]
+    x_mid = SHAPE_GRID[np.argmax(act.df(SHAPE_GRID))]  # the steepest point, on the metric range
     split = _rounded(float(act.f(np.float64(x_mid))))
     lo_hi, lo_lo = _fp32_pair(act.y_min)
     hi_hi, hi_lo = _fp32_pair(y_max)
     u = Max(Y - lo_hi, sympy.S.Zero) - lo_lo  # y - y_min
     v = Max(hi_hi - Y, sympy.S.Zero) + hi_lo  # y_max - y
     below = y < split
-    low = _tail_piece(act, u, 2 * (split - act.y_min), y[below] - act.y_min, t[below])
-    high = _tail_piece(act, v, 2 * (y_max - split), y_max - y[~below], t[~below])
+    low = _tail_piece(u, 2 * (split - act.y_min), y[below] - act.y_min, t[below])
+    high = _tail_piece(v, 2 * (y_max - split), y_max - y[~below], t[~below])
     return _two_pieces(y, t, split, low, high)
 
 
