@@ -31,9 +31,9 @@ _INVACT_NODE = f"{_Eager.__name__}Backward"  # the autograd node of the eager In
 _MUL_NODE = "MulBackward0"
 
 
-def _product_node(t: torch.Tensor):
-    """The multiply node of y * u (y an InvAct output, both operands saved by it) that produced t or
-    t's view base; None otherwise."""
+def multiply(t: torch.Tensor):
+    """(node, operand nodes) of the multiply that produced t or t's view base, where both operands
+    need grad (so the multiply saved both); None otherwise."""
     base = t if t._base is None else t._base
     node = base.grad_fn
     if node is None or node.name() != _MUL_NODE:
@@ -41,6 +41,16 @@ def _product_node(t: torch.Tensor):
     operands = [n for n, _ in node.next_functions]
     if any(n is None for n in operands):  # an operand without grad: the multiply saved only one
         return None
+    return node, operands
+
+
+def _product_node(t: torch.Tensor):
+    """The multiply node of y * u (y an InvAct output, both operands saved by it) that produced t or
+    t's view base; None otherwise."""
+    found = multiply(t)
+    if found is None:
+        return None
+    node, operands = found
     return node if any(n.name() == _INVACT_NODE for n in operands) else None
 
 

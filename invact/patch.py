@@ -22,7 +22,7 @@ from torch import nn
 from invact import _generated
 from invact._generated import modules as _classes
 from invact.activations import ACTIVATIONS
-from invact.gated import recompute_products
+from invact.gated import multiply, recompute_products
 from invact.modules import InvAct
 
 log = logging.getLogger("invact")
@@ -119,7 +119,14 @@ class Decision:
     cls: str  # qualified class name (a function attribute: the function's)
     replace: bool
     reason: str
-    saved_bytes: int | None = None
+    saved_bytes: int | None = None  # the activation's own saving: gated products are in gated_bytes
+    # The module patch() hooks so that nothing it runs saves a copy of a gated product act(g) * u
+    # (invact.gated): the activation's parent, "" for the model itself; None where nothing is hooked
+    # (gated=False, not replaced, or measured to hold no such product).
+    gated: str | None = None
+    # Measured with example inputs (else None): bytes of gated products act(g) * u, with this
+    # activation's output as a factor, that ops inside that module save and the hook stops saving.
+    gated_bytes: int | None = None
 
 
 def _qualname(module: nn.Module) -> str:
@@ -204,7 +211,9 @@ def _candidates(model: nn.Module):
                 yield full, _FUNCTION_NAMES[value], value, FUNCTIONS[value], True
 
 
-def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", example_inputs=None):
+def plan(
+    model: nn.Module, *, include=None, exclude=None, mode: str = "bits", example_inputs=None, gated=True
+):
     """What patch() would do: one Decision per activation-like module or activation function attribute
     (replaced or left alone, and why). Changes nothing.
 
@@ -217,7 +226,11 @@ def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", ex
     them, known risky patterns are left alone: in nn.Sequential, Dropout(p > 0) or an in-place module
     right after it; a module that applies `activation_dropout` to it (transformers' BART- and
     wav2vec2-style layers) or holds a Dropout named for it (timm's Mlp `drop1`); and for an activation
-    function attribute any Dropout(p > 0) in its module."""
+    function attribute any Dropout(p > 0) in its module.
+
+    `gated`: each replaced activation's Decision names in `gated` the module patch() hooks so that it
+    saves no copy of a gated product act(g) * u (see patch()); with example inputs only where such a
+    product is measured, and `gated_bytes` gives its bytes."""
     if mode not in ("bits", "precision_bit"):
         raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
@@ -248,8 +261,19 @@ def plan(model: nn.Module, *, include=None, exclude=None, mode: str = "bits", ex
                 example = f" (they look like {found[0]!r})" if found else " (the model has none)"
                 raise ValueError(f"{what} pattern {p!r} matches no activation's name{example}")
     if example_inputs is not None:
-        decisions = _measured(model, decisions, example_inputs, mode)
-    return decisions
+        return _measured(model, decisions, example_inputs, mode, gated)
+    # statically: hook the parent of every replaced activation (harmless where it holds no product)
+    return _hooking_parents(decisions) if gated else decisions
+
+
+def _parent_name(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _hooking_parents(decisions: list[Decision], but: dict | tuple = ()) -> list[Decision]:
+    """The decisions with `gated` set to the parent's name for each replaced activation not in `but`."""
+    return [dataclasses.replace(d, gated=_parent_name(d.name)) if d.replace and d.name not in but else d
+            for d in decisions]  # fmt: skip
 
 
 def patch(
@@ -268,14 +292,16 @@ def patch(
     `gated` (default True): also hook the module holding each InvAct activation (its parent: the MLP)
     so that nothing in it saves a copy of a gated product act(g) * u (the down projection's input, be
     it nn.Linear, PEFT's LoRA layer or a functional call in MoE experts): it is recomputed from the y
-    and u the multiply saves (invact.gated). gated=False keeps the activation-only behaviour.
+    and u the multiply saves (invact.gated). With `example_inputs`, only modules where such a product
+    is measured are hooked (plan()'s Decision.gated). gated=False keeps the activation-only behaviour.
 
     Works on any device and dtype (InvAct modules hold no parameters) and inside wrappers such as
     PEFT's. A module instance shared by several parents is replaced by one shared InvAct module. An
     already patched module whose mode differs from `mode` is switched to it. Activations left alone
     are logged on the "invact" logger (INFO) with the reason. A model loaded again (from_pretrained,
     a fresh instance) holds torch's activations: patch it again."""
-    decisions = plan(model, include=include, exclude=exclude, mode=mode, example_inputs=example_inputs)
+    decisions = plan(model, include=include, exclude=exclude, mode=mode, example_inputs=example_inputs,
+                     gated=gated)  # fmt: skip
     replaced, swapped = [], {}
     factories = {name: factory for name, _, _, factory, _ in _candidates(model)}
     for d in decisions:
@@ -295,18 +321,21 @@ def patch(
                 new.train(old.training if isinstance(old, nn.Module) else parent.training)
             setattr(parent, attr, new)
         replaced.append(d.name)
-    if gated:  # beside every selected InvAct module, replaced now or by an earlier patch(gated=False)
-        invact_modules = [n for n, m in model.named_modules() if isinstance(m, InvAct)]
-        _hook_gated_products(model, [n for n in invact_modules if _selected(n, include, exclude)])
+    if gated:  # the plan's modules, and those beside InvAct modules an earlier patch(gated=False) made
+        decided = {d.name for d in decisions}
+        parents = {d.gated for d in decisions if d.replace and d.gated is not None}
+        earlier = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, InvAct)]
+        parents |= {_parent_name(n) for n in earlier if n not in decided and _selected(n, include, exclude)}
+        _hook_gated_products(model, sorted(parents))
     return replaced
 
 
-def _hook_gated_products(model: nn.Module, names: list[str]) -> None:
-    """invact.gated.recompute_products on the modules holding these InvAct modules."""
-    for name in names:
-        if name and recompute_products(_parent(model, name)[0]):
+def _hook_gated_products(model: nn.Module, parents: list[str]) -> None:
+    """invact.gated.recompute_products on these modules (names; "" is the model)."""
+    for name in parents:
+        if recompute_products(model.get_submodule(name)):
             log.info("invact.patch: %s saves no copy of a gated product (recomputed in backward)",
-                     name.rpartition(".")[0] or "the model")  # fmt: skip
+                     name or "the model")  # fmt: skip
 
 
 def _as_call(example_inputs) -> tuple[tuple, dict]:
@@ -329,14 +358,26 @@ def _object_key(name: str, obj) -> object:
     return id(obj) if isinstance(obj, nn.Module) else name
 
 
-def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode: str) -> list[Decision]:
+_NO_GAIN = (
+    "its input stays saved by another op (as the other half of a fused gate_up projection does), or "
+    "its output is not what a later op saves (e.g. after dropout or a reduction)"
+)
+
+
+def _measured(
+    model: nn.Module, decisions: list[Decision], example_inputs, mode: str, gated: bool
+) -> list[Decision]:
     """The decisions to replace, re-decided by one training-mode forward under saved-tensor hooks.
 
     Per call of an activation: `freed` = bytes of the storages that only this call saved (torch's
     activation saving its input, or a Python composition's intermediates); `cost` = the bits InvAct
     would add, plus its output's bytes unless another op saves that storage anyway. Summed over the
-    calls of one module (a shared module is decided once)."""
+    calls of one module (a shared module is decided once). With `gated`, also the gated products:
+    storages saved by ops, all inside the activation's parent module, that are a multiply of the
+    activation's output by another tensor needing grad (what invact.gated recomputes)."""
     todo = {d.name: d for d in decisions if d.replace and not d.reason.startswith("already InvAct")}
+    if gated:  # a mode switch is not measured: its parent is hooked as without example inputs
+        decisions = _hooking_parents(decisions, but=todo)
     if not todo:
         return decisions
     objects, activation = {}, {}  # name -> the object called, and the registry name it computes
@@ -354,6 +395,10 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
     sizes: dict[int, int] = {}
     savers: dict[int, set[int]] = {}
     excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    parent_of = {key: _parent(model, key)[0] for key in key_of.values()}
+    inside: dict[int, int] = {}  # id(parent module) -> its calls in progress
+    output_of: dict[int, str] = {}  # id(autograd node of an activation call's output) -> its key
+    products: dict[int, tuple[str, bool]] = {}  # storage -> (key, every save inside key's parent)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -361,6 +406,11 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
         if ptr not in excluded and storage.nbytes():
             sizes[ptr] = storage.nbytes()
             savers.setdefault(ptr, set()).add(stack[-1] if stack else -1)
+            found = multiply(t) if gated else None
+            keys = [output_of[id(n)] for n in found[1] if id(n) in output_of] if found else []
+            if keys:  # (the call outputs are held in `calls`, so their nodes' ids stay theirs)
+                scoped = inside.get(id(parent_of[keys[0]]), 0) > 0
+                products[ptr] = (keys[0], scoped and products.get(ptr, (None, True))[1])
         return t
 
     def enter(key: str) -> None:
@@ -371,6 +421,11 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
         call = calls[stack.pop()]
         call.output = output
         call.version = output._version if isinstance(output, torch.Tensor) else 0
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            output_of[id(output.grad_fn)] = call.key
+
+    def count(module, delta: int) -> None:
+        inside[id(module)] = inside.get(id(module), 0) + delta
 
     hooks, restore = [], []
     for name, obj in objects.items():
@@ -389,6 +444,9 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
 
             restore.append((parent, attr, obj))
             setattr(parent, attr, spy)
+    for parent in {id(m): m for m in parent_of.values()}.values() if gated else ():
+        hooks.append(parent.register_forward_pre_hook(lambda m, a: count(m, 1)))
+        hooks.append(parent.register_forward_hook(lambda m, a, out: count(m, -1)))
     modes = {m: m.training for m in model.modules()}
     devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
     args, kwargs = _as_call(example_inputs)
@@ -428,6 +486,9 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
         act = ACTIVATIONS[activation[call.key]]
         no_bits = act.monotone or (mode == "precision_bit" and y.dtype != torch.float64)
         net[call.key] = net.get(call.key, 0) + freed - kept - (0 if no_bits else (y.numel() + 7) // 8)
+    recomputed: dict[str, int] = {}
+    for ptr, (key, scoped) in products.items():
+        recomputed[key] = recomputed.get(key, 0) + (sizes[ptr] if scoped else 0)
     out_decisions = []
     for d in decisions:
         if d.name not in todo:
@@ -442,13 +503,23 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs, mode:
         elif key in modified:
             d = dataclasses.replace(d, replace=False, saved_bytes=saved,
                         reason=f"{modified[key]}: InvAct saves it, so backward would fail")  # fmt: skip
-        elif not saved or saved <= 0:
-            d = dataclasses.replace(d, replace=False, saved_bytes=saved or 0,
-                        reason=f"measured: replacing it would add {-(saved or 0)} bytes (its output is not "
-                               "what a later op saves, e.g. after dropout or a reduction)")  # fmt: skip
         else:
-            d = dataclasses.replace(
-                d, saved_bytes=saved, reason=f"measured: saves {saved} bytes in the example forward"
-            )
+            saved = saved or 0
+            product = recomputed.get(key, 0)
+            gated_bytes = product if gated else None
+            if saved + product <= 0:
+                d = dataclasses.replace(
+                    d,
+                    replace=False,
+                    saved_bytes=saved,
+                    gated_bytes=gated_bytes,
+                    reason=f"measured: replacing it would add {-saved - product} bytes: {_NO_GAIN}",
+                )
+            else:
+                of = f" ({product} of them gated products act(g) * u, recomputed)" if product else ""
+                d = dataclasses.replace(d, saved_bytes=saved, gated_bytes=gated_bytes,
+                                        gated=_parent_name(d.name) if product else None,
+                                        reason=f"measured: saves {saved + product} bytes{of} in the example "
+                                               "forward")  # fmt: skip
         out_decisions.append(d)
     return out_decisions

@@ -13,20 +13,26 @@ from invact.gated import _product_node, recompute_products
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, HIDDEN, INTERMEDIATE, LAYERS, TOP_K = 2, 16, 64, 160, 2, 2
+EXPERTS, MOE_INTERMEDIATE, SHARED_INTERMEDIATE = 4, 96, 128
 
 
-def _held_bytes(model: nn.Module, inputs: dict) -> int:
+def _held_bytes(model: nn.Module, inputs: dict, autocast: bool = False) -> int:
     """Bytes allocated and not freed during one training forward (what autograd keeps, plus the
     output): the sum of the profiler's self_cpu_memory_usage over its events. No saved-tensor hooks."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = model(**inputs).last_hidden_state
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(**inputs)
     held = sum(e.self_cpu_memory_usage for e in prof.events())
     del out
     return held
 
 
 def _decoders():
+    """label -> (a builder, the elements of gated products act(g) * u per token and layer: each
+    MLP's intermediate size, summed over the experts a token goes to)."""
     from transformers import (
+        Gemma2Config,
+        Gemma2Model,
         GemmaConfig,
         GemmaModel,
         LlamaConfig,
@@ -39,29 +45,52 @@ def _decoders():
         Phi3Model,
         Qwen2Config,
         Qwen2Model,
+        Qwen2MoeConfig,
+        Qwen2MoeModel,
         Qwen3Config,
         Qwen3Model,
+        Qwen3MoeConfig,
+        Qwen3MoeModel,
     )  # fmt: skip
 
     common = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=4,
                   num_hidden_layers=LAYERS, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    moe = dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=MOE_INTERMEDIATE)
+    shared = dict(shared_expert_intermediate_size=SHARED_INTERMEDIATE)
+    mixtral = dict(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
     return {
-        "llama (SwiGLU)": lambda: LlamaModel(LlamaConfig(**common)),
-        "mistral (SwiGLU)": lambda: MistralModel(MistralConfig(**common)),
-        "qwen2 (SwiGLU)": lambda: Qwen2Model(Qwen2Config(**common)),
-        "qwen3 (SwiGLU)": lambda: Qwen3Model(Qwen3Config(**common, head_dim=16)),
-        "gemma (tanh-GELU GeGLU)": lambda: GemmaModel(GemmaConfig(**common, head_dim=16)),
-        "phi3 (fused gate_up_proj)": lambda: Phi3Model(Phi3Config(**common, pad_token_id=0)),
+        "llama (SwiGLU)": (lambda: LlamaModel(LlamaConfig(**common)), INTERMEDIATE),
+        "mistral (SwiGLU)": (lambda: MistralModel(MistralConfig(**common)), INTERMEDIATE),
+        "qwen2 (SwiGLU)": (lambda: Qwen2Model(Qwen2Config(**common)), INTERMEDIATE),
+        "qwen3 (SwiGLU)": (lambda: Qwen3Model(Qwen3Config(**common, head_dim=16)), INTERMEDIATE),
+        "gemma (tanh-GELU GeGLU)": (lambda: GemmaModel(GemmaConfig(**common, head_dim=16)), INTERMEDIATE),
+        "gemma2 (tanh-GELU GeGLU)": (lambda: Gemma2Model(Gemma2Config(**common, head_dim=16)), INTERMEDIATE),
+        "phi3 (fused gate_up_proj)": (lambda: Phi3Model(Phi3Config(**common, pad_token_id=0)), INTERMEDIATE),
         # MoE experts: the down projection is a functional call inside the experts module; every
         # token goes to TOP_K experts, each saving its rows of the product
-        "mixtral (MoE experts)": lambda: MixtralModel(
-            MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=TOP_K)
+        "mixtral (MoE experts)": (
+            lambda: MixtralModel(MixtralConfig(**common, **mixtral)),
+            TOP_K * INTERMEDIATE,
+        ),
+        "qwen2-moe (experts + shared expert)": (
+            lambda: Qwen2MoeModel(Qwen2MoeConfig(**common, **moe, **shared)),
+            TOP_K * MOE_INTERMEDIATE + SHARED_INTERMEDIATE,
+        ),
+        "qwen3-moe (experts)": (
+            lambda: Qwen3MoeModel(Qwen3MoeConfig(**common, **moe, head_dim=16)),
+            TOP_K * MOE_INTERMEDIATE,
         ),
     }
 
 
-def _pair(make, dtype=torch.float32):
+def _ideal(label: str) -> int:
+    """Bytes of the fp32 gated products one forward of BATCH x SEQ tokens saves."""
+    return LAYERS * BATCH * SEQ * _decoders()[label][1] * 4
+
+
+def _pair(label, dtype=torch.float32):
     """The same decoder patched twice: activation-only and gated."""
+    make = _decoders()[label][0]
     torch.manual_seed(0)
     plain = make().to(dtype).train()
     gated = make().to(dtype).train()
@@ -72,19 +101,32 @@ def _pair(make, dtype=torch.float32):
 
 @pytest.mark.parametrize("label", list(_decoders()))
 def test_the_down_projection_keeps_no_copy_of_the_product(label):
-    plain, gated = _pair(_decoders()[label])
+    plain, gated = _pair(label)
     inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
     saving = _held_bytes(plain, inputs) - _held_bytes(gated, inputs)
-    ideal = LAYERS * BATCH * SEQ * INTERMEDIATE * 4  # one fp32 product per MLP
-    if "MoE" in label:
-        ideal *= TOP_K
-    assert abs(saving - ideal) <= 0.01 * ideal, (saving, ideal)
+    assert abs(saving - _ideal(label)) <= 0.01 * _ideal(label), (saving, _ideal(label))
+
+
+@pytest.mark.parametrize("label", list(_decoders()))
+def test_plan_reports_the_hooked_modules_and_the_measured_products(label):
+    torch.manual_seed(0)
+    model = _decoders()[label][0]().train()
+    inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
+    static = [d for d in invact.plan(model) if d.replace]
+    assert static and all(d.gated == d.name.rpartition(".")[0] and d.gated_bytes is None for d in static)
+    measured = [d for d in invact.plan(model, example_inputs=inputs) if d.replace]
+    assert [d.name for d in measured] == [d.name for d in static]
+    assert sum(d.gated_bytes for d in measured) == _ideal(label)
+    assert all(d.gated == d.name.rpartition(".")[0] and "gated products" in d.reason for d in measured)
+    invact.patch(model, example_inputs=inputs)
+    hooked = [n for n, m in model.named_modules() if getattr(m, "_invact_recompute_products", False)]
+    assert hooked == [d.gated for d in measured]
 
 
 @pytest.mark.parametrize("label", list(_decoders()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_are_the_activation_only_patchs_bitwise(label, dtype):
-    plain, gated = _pair(_decoders()[label], dtype)
+    plain, gated = _pair(label, dtype)
     ids = torch.randint(0, 128, (BATCH, SEQ))
     for m in (plain, gated):
         m(input_ids=ids).last_hidden_state.float().square().mean().backward()
@@ -180,7 +222,7 @@ def test_lora_wrapped_down_projection_saves_the_product_and_trains():
 def test_invact_memory_counts_the_recomputed_product_as_not_saved():
     from invact.memory import saved_tensors
 
-    plain, gated = _pair(_decoders()["llama (SwiGLU)"])
+    plain, gated = _pair("llama (SwiGLU)")
     ids = torch.randint(0, 128, (BATCH, SEQ))
     counted = [saved_tensors(m, input_ids=ids).saved_bytes for m in (plain, gated)]
     by_hooks = counted[0] - counted[1]
@@ -241,7 +283,6 @@ def test_backward_twice_and_autocast_match_the_activation_only_patch(case):
     invact.patch(gated)
     x = torch.randn(BATCH, SEQ, HIDDEN)
     for m in (plain, gated):
-        # under autocast the Linear saves its bf16 copy of the product, not the product: left alone
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast_bf16"):
             loss = m(x.clone().requires_grad_()).float().square().sum()
         loss.backward(retain_graph=case == "retain_graph")
@@ -249,6 +290,44 @@ def test_backward_twice_and_autocast_match_the_activation_only_patch(case):
             loss.backward()
     pairs = zip(plain.parameters(), gated.parameters(), strict=True)
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+
+
+def test_under_autocast_the_bf16_product_is_recomputed():
+    # autocast runs gate and up in bf16, so the product is bf16 and the down projection saves it as is
+    plain, gated = _mlp(), _mlp()
+    invact.patch(plain, gated=False)
+    invact.patch(gated)
+    inputs = {"x": torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)}
+    saving = _held_bytes(plain, inputs, autocast=True) - _held_bytes(gated, inputs, autocast=True)
+    assert saving == BATCH * SEQ * INTERMEDIATE * 2
+
+
+def test_where_no_product_is_measured_nothing_is_hooked():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                        num_attention_heads=4, vocab_size=128)  # fmt: skip
+    model = BertModel(config).train()
+    inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
+    replaced = [d for d in invact.plan(model, example_inputs=inputs) if d.replace]
+    assert len(replaced) == LAYERS and all(d.gated is None and d.gated_bytes == 0 for d in replaced)
+    assert all(d.gated_bytes is None for d in invact.plan(model, example_inputs=inputs, gated=False))
+    invact.patch(model, example_inputs=inputs)
+    assert not any(getattr(m, "_invact_recompute_products", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("label", ["phi3 (fused gate_up_proj)", "mixtral (MoE experts)"])
+def test_a_fused_gate_up_gains_only_with_the_gated_path(label):
+    # g and u are two halves of one storage, which u keeps saved: the activation alone frees nothing
+    # and adds its bits; the gated path's product pays for them
+    torch.manual_seed(0)
+    model = _decoders()[label][0]().train()
+    inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
+    alone = invact.plan(model, example_inputs=inputs, gated=False)  # one SiLU per layer
+    assert len(alone) == LAYERS and not any(d.replace for d in alone)
+    assert sum(d.saved_bytes for d in alone) == -LAYERS * BATCH * SEQ * _decoders()[label][1] // 8
+    assert invact.patch(model, example_inputs=inputs, gated=False) == []
+    assert len(invact.patch(model, example_inputs=inputs)) == LAYERS
 
 
 def test_per_sample_gradients_through_torch_func():
