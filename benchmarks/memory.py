@@ -119,6 +119,61 @@ def _decoder(kind):
     return build
 
 
+# The other gated-MLP families, scaled down (4 layers of 512; real sizes do not fit a CPU run): their
+# config class, model class and the keywords that shape their MLPs.
+_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 704}
+_MIXTRAL = {"num_local_experts": 8, "num_experts_per_tok": 2}
+GATED_FAMILIES = {
+    "Qwen2": ("Qwen2Config", "Qwen2Model", {}),
+    "Qwen3": ("Qwen3Config", "Qwen3Model", {"head_dim": 64}),
+    "Gemma (GeGLU, tanh-GELU)": ("GemmaConfig", "GemmaModel", {"head_dim": 64}),
+    # transformers runs Gemma2's soft-capped attention in eager mode only (no SDPA)
+    "Gemma2 (GeGLU, tanh-GELU, eager attention)": (
+        "Gemma2Config",
+        "Gemma2Model",
+        {"head_dim": 64, "attn_implementation": "eager"},
+    ),
+    "Phi-3 (fused gate_up_proj)": ("Phi3Config", "Phi3Model", {"pad_token_id": 0}),
+    "Mixtral (8 experts, top-2)": ("MixtralConfig", "MixtralModel", _MIXTRAL),
+    "Qwen2-MoE (8 experts, top-2, shared expert)": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeModel",
+        {**_MOE, "shared_expert_intermediate_size": 1408},
+    ),
+    "Qwen3-MoE (8 experts, top-2)": ("Qwen3MoeConfig", "Qwen3MoeModel", {**_MOE, "head_dim": 64}),
+}
+
+
+def _gated_family(label):
+    def build(small):
+        import transformers
+
+        config_cls, model_cls, extra = GATED_FAMILIES[label]
+        size = (dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2) if small else
+                dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=4))  # fmt: skip
+        if small:  # shrink the MoE and head sizes with the rest
+            shrink = ("intermediate_size", "head_dim")
+            extra = {k: min(v, 64) if k.endswith(shrink) else v for k, v in extra.items()}
+        seq = 64 if small else 512
+        extra = {"attn_implementation": "sdpa", **extra}
+        cfg = getattr(transformers, config_cls)(**size, **extra, vocab_size=32000)
+        return getattr(transformers, model_cls)(cfg), {"input_ids": torch.randint(0, 1000, (1, seq))}
+
+    return build
+
+
+def _t5(small):
+    from transformers import T5Config, T5EncoderModel
+
+    size = (dict(d_model=64, d_ff=176, num_layers=2, num_heads=4, d_kv=16) if small else
+            dict(d_model=512, d_ff=1408, num_layers=4, num_heads=8, d_kv=64))  # fmt: skip
+    seq = 64 if small else 512
+    cfg = T5Config(**size, feed_forward_proj="gated-gelu", dropout_rate=0.0)
+    return T5EncoderModel(cfg), {"input_ids": torch.randint(0, 1000, (1, seq))}
+
+
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 CASES = [
@@ -129,6 +184,8 @@ CASES = [
     Case("GPT-2 (gelu_new)", "seq 1024", _gpt2),
     Case("Llama-style SwiGLU (8 x 1024)", "seq 1024", _decoder("llama")),
     Case("Mistral-style SwiGLU (8 x 1024)", "seq 1024", _decoder("mistral")),
+    *(Case(f"{label} (4 x 512)", "seq 512", _gated_family(label)) for label in GATED_FAMILIES),
+    Case("T5 encoder, gated-gelu (4 x 512)", "seq 512", _t5),
 ]
 
 

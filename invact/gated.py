@@ -6,7 +6,9 @@ hooks a module (patch() hooks the module that holds each InvAct activation: the 
 experts module whose down projection is a functional call) so that, while it runs, every saved
 tensor that is h (or a view of h) is stored as a recompute handle instead: in backward, h is
 recomputed as the multiply's own saved operands, y * u, bitwise the same tensor (one deterministic
-elementwise op on the same inputs). Every other saved tensor is stored as it is.
+elementwise op on the same inputs). Where g and u are the two halves of one fused gate_up output
+(Phi-3, MoE experts), u is copied out of it when the module returns, so that the half holding g is
+freed (InvAct saves y, not g). Every other saved tensor is stored as it is.
 
 What is recognised, by structure and not by class name: a tensor whose autograd node (or its view
 base's) is a multiply of which one operand is an InvAct output (any activation, either mode, either
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from invact.modules import InvAct
 from invact.ops import _Eager
 
 _INVACT_NODE = f"{_Eager.__name__}Backward"  # the autograd node of the eager InvAct function
@@ -72,19 +75,74 @@ class _Recompute:
         return h.as_strided(self.size, self.stride, h.storage_offset() + self.offset)
 
 
-def _hooks(observer=None) -> torch.autograd.graph.saved_tensors_hooks:
-    """Pack a gated product as a _Recompute; hand everything else to `observer` (its pack records and
-    returns the tensor) if given."""
-    observe = observer or (lambda t: t)
+class _Part:
+    """A saved tensor that is part, not all, of its storage: the view itself until the hooked module
+    returns, then (see _Scope.close) possibly a compact copy of it."""
 
-    def pack(t: torch.Tensor):
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+class _Scope:
+    """One call of a hooked module in progress: its saved-tensor hooks and what they have seen.
+
+    Pack a gated product as a _Recompute and a part of a storage as a _Part; hand every other tensor
+    to `observer` (its pack records and returns the tensor) if given. InvAct modules inside record
+    the storages of their inputs (see _note_input)."""
+
+    def __init__(self, observer=None) -> None:
+        self.observe = observer or (lambda t: t)
+        self.inputs: set[int] = set()  # storages of the inputs of InvAct modules called inside
+        self.whole: set[int] = set()  # storages some op saved whole
+        self.parts: list[_Part] = []
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
         node = _product_node(t)
-        return observe(t) if node is None else _Recompute(node, t)
+        if node is not None:
+            return _Recompute(node, t)
+        storage = t.untyped_storage()
+        if t.numel() * t.element_size() < storage.nbytes():
+            self.parts.append(_Part(t))
+            return self.parts[-1]
+        self.whole.add(storage.data_ptr())
+        return self.observe(t)
 
+    @staticmethod
     def unpack(saved):
-        return saved.tensor() if isinstance(saved, _Recompute) else saved
+        if isinstance(saved, _Recompute):
+            return saved.tensor()
+        return saved.t if isinstance(saved, _Part) else saved
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    def close(self, output) -> None:
+        """At the module's return, copy each saved part of an InvAct input's storage out of it: u,
+        when g and u are the halves of one fused gate_up output. InvAct saves y, not g, so u alone
+        would keep the whole output; with u copied out, nothing does, and g's half is freed. Not
+        where some op in the call saved that storage whole or the module returns it: there the copy
+        would add u's bytes."""
+        kept = self.whole | {t.untyped_storage().data_ptr() for t in _tensors(output)}
+        for part in self.parts:
+            ptr = part.t.untyped_storage().data_ptr()
+            if ptr in self.inputs and ptr not in kept:
+                part.t = part.t.detach().clone(memory_format=torch.contiguous_format)
+            part.t = self.observe(part.t)
+
+
+# The hooked module calls in progress, innermost last.
+_SCOPES: list[_Scope] = []
+
+
+def _note_input(module, args) -> None:
+    """Forward pre-hook of an InvAct module inside a hooked one: record its input's storage."""
+    if _SCOPES and not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
+        _SCOPES[-1].inputs.add(args[0].untyped_storage().data_ptr())
 
 
 _STAND_ASIDE = object()
@@ -110,25 +168,28 @@ class _Hooks:
     when forward raises)."""
 
     def __init__(self) -> None:
-        self.stack: list[torch.autograd.graph.saved_tensors_hooks | None] = []
+        self.stack: list[_Scope | None] = []
 
     def pre(self, module, args, kwargs):
         if torch.compiler.is_compiling():  # traced: no state touched (dynamo's checkpoint forbids it)
             return
-        active = None
+        scope = None
         if torch.is_grad_enabled():
             outer = _outer_pack()
             if outer is not _STAND_ASIDE:
-                active = _hooks(outer)
-                active.__enter__()
-        self.stack.append(active)
+                scope = _Scope(outer)
+                scope.hooks.__enter__()
+                _SCOPES.append(scope)
+        self.stack.append(scope)
 
     def post(self, module, args, kwargs, output):
         if torch.compiler.is_compiling():
             return
-        active = self.stack.pop() if self.stack else None
-        if active is not None:
-            active.__exit__(None, None, None)
+        scope = self.stack.pop() if self.stack else None
+        if scope is not None:
+            scope.hooks.__exit__(None, None, None)
+            _SCOPES.remove(scope)
+            scope.close(output)
 
 
 def recompute_products(module: nn.Module) -> bool:
@@ -141,4 +202,8 @@ def recompute_products(module: nn.Module) -> bool:
     module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     module._invact_recompute_products = True
+    for act in module.modules():
+        if isinstance(act, InvAct) and not getattr(act, "_invact_notes_input", False):
+            act.register_forward_pre_hook(_note_input)
+            act._invact_notes_input = True
     return True

@@ -124,8 +124,9 @@ class Decision:
     # (invact.gated): the activation's parent, "" for the model itself; None where nothing is hooked
     # (gated=False, not replaced, or measured to hold no such product).
     gated: str | None = None
-    # Measured with example inputs (else None): bytes of gated products act(g) * u, with this
-    # activation's output as a factor, that ops inside that module save and the hook stops saving.
+    # Measured with example inputs (else None): the bytes the hook saves beyond the activation's own
+    # saving: the gated products act(g) * u (this activation's output a factor) that ops inside that
+    # module save, and where g is half of a fused gate_up output, the half that copying u out frees.
     gated_bytes: int | None = None
 
 
@@ -352,6 +353,7 @@ class _Call:
     output: object
     version: int
     index: int
+    input: int | None = None  # the storage of its input tensor
 
 
 def _object_key(name: str, obj) -> object:
@@ -399,6 +401,10 @@ def _measured(
     inside: dict[int, int] = {}  # id(parent module) -> its calls in progress
     output_of: dict[int, str] = {}  # id(autograd node of an activation call's output) -> its key
     products: dict[int, tuple[str, bool]] = {}  # storage -> (key, every save inside key's parent)
+    outside: dict[int, int] = {}  # storage -> its saves outside activation calls
+    parts: dict[int, list[tuple[int, set[int]]]] = {}  # storage -> (bytes, parents in progress) per
+    # save, outside activation calls, of a part of it (what invact.gated copies out if it is an
+    # activation's input: u beside g in a fused gate_up output)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -406,6 +412,11 @@ def _measured(
         if ptr not in excluded and storage.nbytes():
             sizes[ptr] = storage.nbytes()
             savers.setdefault(ptr, set()).add(stack[-1] if stack else -1)
+            if gated and not stack:
+                outside[ptr] = outside.get(ptr, 0) + 1
+                if t.numel() * t.element_size() < storage.nbytes():
+                    scopes = {i for i, n in inside.items() if n > 0}
+                    parts.setdefault(ptr, []).append((t.numel() * t.element_size(), scopes))
             found = multiply(t) if gated else None
             keys = [output_of[id(n)] for n in found[1] if id(n) in output_of] if found else []
             if keys:  # (the call outputs are held in `calls`, so their nodes' ids stay theirs)
@@ -413,8 +424,10 @@ def _measured(
                 products[ptr] = (keys[0], scoped and products.get(ptr, (None, True))[1])
         return t
 
-    def enter(key: str) -> None:
-        calls.append(_Call(key, None, 0, len(calls)))
+    def enter(key: str, args: tuple) -> None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        storage = x.untyped_storage().data_ptr() if x is not None else None
+        calls.append(_Call(key, None, 0, len(calls), storage))
         stack.append(len(calls) - 1)
 
     def leave(output) -> None:
@@ -431,13 +444,13 @@ def _measured(
     for name, obj in objects.items():
         if isinstance(obj, nn.Module):
             if key_of[_object_key(name, obj)] == name:
-                hooks.append(obj.register_forward_pre_hook(lambda m, a, key=name: enter(key)))
+                hooks.append(obj.register_forward_pre_hook(lambda m, a, key=name: enter(key, a)))
                 hooks.append(obj.register_forward_hook(lambda m, a, out: leave(out)))
         else:  # a function attribute: a spy that records its calls, removed afterwards
             parent, attr = _parent(model, name)
 
             def spy(*args, _f=obj, _key=name, **kwargs):
-                enter(_key)
+                enter(_key, args)
                 out = _f(*args, **kwargs)
                 leave(out)
                 return out
@@ -486,9 +499,15 @@ def _measured(
         act = ACTIVATIONS[activation[call.key]]
         no_bits = act.monotone or (mode == "precision_bit" and y.dtype != torch.float64)
         net[call.key] = net.get(call.key, 0) + freed - kept - (0 if no_bits else (y.numel() + 7) // 8)
-    recomputed: dict[str, int] = {}
+    recomputed: dict[str, int] = {}  # key -> bytes the gated path saves beyond the activation's own
     for ptr, (key, scoped) in products.items():
         recomputed[key] = recomputed.get(key, 0) + (sizes[ptr] if scoped else 0)
+    for call in calls:  # an input storage the call saved and ops inside its parent saved parts of
+        part = parts.pop(call.input, None)  # (each storage once)
+        if (part and savers[call.input] == {call.index, -1} and outside[call.input] == len(part)
+                and all(id(parent_of[call.key]) in scopes for _, scopes in part)):  # fmt: skip
+            copies = sum(nbytes for nbytes, _ in part)
+            recomputed[call.key] = recomputed.get(call.key, 0) + sizes[call.input] - copies
     out_decisions = []
     for d in decisions:
         if d.name not in todo:
@@ -516,7 +535,7 @@ def _measured(
                     reason=f"measured: replacing it would add {-saved - product} bytes: {_NO_GAIN}",
                 )
             else:
-                of = f" ({product} of them gated products act(g) * u, recomputed)" if product else ""
+                of = f" ({product} of them by the gated path, invact.gated)" if product else ""
                 d = dataclasses.replace(d, saved_bytes=saved, gated_bytes=gated_bytes,
                                         gated=_parent_name(d.name) if product else None,
                                         reason=f"measured: saves {saved + product} bytes{of} in the example "

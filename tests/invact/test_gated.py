@@ -28,8 +28,9 @@ def _held_bytes(model: nn.Module, inputs: dict, autocast: bool = False) -> int:
 
 
 def _decoders():
-    """label -> (a builder, the elements of gated products act(g) * u per token and layer: each
-    MLP's intermediate size, summed over the experts a token goes to)."""
+    """label -> (a builder, the elements of gated products act(g) * u per token and layer (each
+    MLP's intermediate size, summed over the experts a token goes to), and of those the elements of
+    g in a fused gate_up output, whose storage u alone would keep)."""
     from transformers import (
         Gemma2Config,
         Gemma2Model,
@@ -59,33 +60,46 @@ def _decoders():
     shared = dict(shared_expert_intermediate_size=SHARED_INTERMEDIATE)
     mixtral = dict(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
     return {
-        "llama (SwiGLU)": (lambda: LlamaModel(LlamaConfig(**common)), INTERMEDIATE),
-        "mistral (SwiGLU)": (lambda: MistralModel(MistralConfig(**common)), INTERMEDIATE),
-        "qwen2 (SwiGLU)": (lambda: Qwen2Model(Qwen2Config(**common)), INTERMEDIATE),
-        "qwen3 (SwiGLU)": (lambda: Qwen3Model(Qwen3Config(**common, head_dim=16)), INTERMEDIATE),
-        "gemma (tanh-GELU GeGLU)": (lambda: GemmaModel(GemmaConfig(**common, head_dim=16)), INTERMEDIATE),
-        "gemma2 (tanh-GELU GeGLU)": (lambda: Gemma2Model(Gemma2Config(**common, head_dim=16)), INTERMEDIATE),
-        "phi3 (fused gate_up_proj)": (lambda: Phi3Model(Phi3Config(**common, pad_token_id=0)), INTERMEDIATE),
+        "llama (SwiGLU)": (lambda: LlamaModel(LlamaConfig(**common)), INTERMEDIATE, 0),
+        "mistral (SwiGLU)": (lambda: MistralModel(MistralConfig(**common)), INTERMEDIATE, 0),
+        "qwen2 (SwiGLU)": (lambda: Qwen2Model(Qwen2Config(**common)), INTERMEDIATE, 0),
+        "qwen3 (SwiGLU)": (lambda: Qwen3Model(Qwen3Config(**common, head_dim=16)), INTERMEDIATE, 0),
+        "gemma (tanh-GELU GeGLU)": (lambda: GemmaModel(GemmaConfig(**common, head_dim=16)), INTERMEDIATE, 0),
+        "gemma2 (tanh-GELU GeGLU)": (
+            lambda: Gemma2Model(Gemma2Config(**common, head_dim=16)),
+            INTERMEDIATE,
+            0,
+        ),
+        "phi3 (fused gate_up_proj)": (
+            lambda: Phi3Model(Phi3Config(**common, pad_token_id=0)),
+            INTERMEDIATE,
+            INTERMEDIATE,
+        ),
         # MoE experts: the down projection is a functional call inside the experts module; every
         # token goes to TOP_K experts, each saving its rows of the product
         "mixtral (MoE experts)": (
             lambda: MixtralModel(MixtralConfig(**common, **mixtral)),
             TOP_K * INTERMEDIATE,
+            TOP_K * INTERMEDIATE,
         ),
         "qwen2-moe (experts + shared expert)": (
             lambda: Qwen2MoeModel(Qwen2MoeConfig(**common, **moe, **shared)),
             TOP_K * MOE_INTERMEDIATE + SHARED_INTERMEDIATE,
+            TOP_K * MOE_INTERMEDIATE,  # the shared expert has gate and up projections of its own
         ),
         "qwen3-moe (experts)": (
             lambda: Qwen3MoeModel(Qwen3MoeConfig(**common, **moe, head_dim=16)),
+            TOP_K * MOE_INTERMEDIATE,
             TOP_K * MOE_INTERMEDIATE,
         ),
     }
 
 
 def _ideal(label: str) -> int:
-    """Bytes of the fp32 gated products one forward of BATCH x SEQ tokens saves."""
-    return LAYERS * BATCH * SEQ * _decoders()[label][1] * 4
+    """Bytes the gated path saves beyond the activation-only patch in one fp32 forward of BATCH x SEQ
+    tokens: every product, and g's half of each fused gate_up output (u is copied out)."""
+    _, products, fused = _decoders()[label]
+    return LAYERS * BATCH * SEQ * (products + fused) * 4
 
 
 def _pair(label, dtype=torch.float32):
@@ -117,7 +131,7 @@ def test_plan_reports_the_hooked_modules_and_the_measured_products(label):
     measured = [d for d in invact.plan(model, example_inputs=inputs) if d.replace]
     assert [d.name for d in measured] == [d.name for d in static]
     assert sum(d.gated_bytes for d in measured) == _ideal(label)
-    assert all(d.gated == d.name.rpartition(".")[0] and "gated products" in d.reason for d in measured)
+    assert all(d.gated == d.name.rpartition(".")[0] and "by the gated path" in d.reason for d in measured)
     invact.patch(model, example_inputs=inputs)
     hooked = [n for n, m in model.named_modules() if getattr(m, "_invact_recompute_products", False)]
     assert hooked == [d.gated for d in measured]
@@ -328,6 +342,39 @@ def test_a_fused_gate_up_gains_only_with_the_gated_path(label):
     assert sum(d.saved_bytes for d in alone) == -LAYERS * BATCH * SEQ * _decoders()[label][1] // 8
     assert invact.patch(model, example_inputs=inputs, gated=False) == []
     assert len(invact.patch(model, example_inputs=inputs)) == LAYERS
+
+
+@pytest.mark.parametrize(("whole_saved", "extra_saving"), [(False, "g"), (True, "none")])
+def test_u_is_copied_out_of_a_fused_gate_up_only_where_that_frees_it(whole_saved, extra_saving):
+    # Where another op in the module saves the gate_up output whole, copying u out would add its
+    # bytes: there only the product is saved less; elsewhere g's half goes too.
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up, self.down = nn.Linear(HIDDEN, 2 * INTERMEDIATE), nn.Linear(INTERMEDIATE, HIDDEN)
+            self.act = nn.SiLU()
+
+        def forward(self, x):
+            gate_up = self.gate_up(x)
+            g, u = gate_up.chunk(2, dim=-1)
+            out = self.down(self.act(g) * u)
+            return out + gate_up.square().mean() if whole_saved else out
+
+    torch.manual_seed(0)
+    plain, gated = Fused(), Fused()
+    gated.load_state_dict(plain.state_dict())
+    invact.patch(plain, gated=False)
+    invact.patch(gated)
+    inputs = {"x": torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)}
+    saving = _held_bytes(plain, inputs) - _held_bytes(gated, inputs)
+    product = BATCH * SEQ * INTERMEDIATE * 4
+    assert saving == product + (product if extra_saving == "g" else 0)
+    measured = invact.plan(Fused(), example_inputs=inputs)
+    assert [d.gated_bytes for d in measured] == [saving]
+    for m in (plain, gated):
+        m(**inputs).square().sum().backward()
+    pairs = zip(plain.parameters(), gated.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
 
 
 def test_per_sample_gradients_through_torch_func():
