@@ -4,7 +4,9 @@ Setups (the paper's time table, A100): the bare activation (gelu, gelu_tanh, sil
 which is monotone and stores no bit), Linear+GELU, an MLP block, GeGLU, BERT-base and a
 Llama-3.1-8B-shaped decoder (SiLU), each as torch eager, InvAct bits, InvAct precision-bit and (with
 --compile) torch.compile of the torch model. Runs are interleaved (torch, bits, precision-bit,
-compile, torch, ...) and the median of --repeats is reported; CUDA timings use CUDA events. Sizes:
+compile, torch, ...): each variant's median of --repeats is reported, and its ratio to torch is the
+median of the per-round ratios (each round runs every variant once, back to back, so a slow spell of a
+shared machine hits both sides of a ratio), with their quartiles. CUDA timings use CUDA events. Sizes:
 --preset paper is the paper's (for a GPU), cpu is scaled down for a 2-core machine, --small is a
 smoke run. On CUDA it also reports the bandwidth of the bare Triton kernels. Writes
 benchmarks/results/speed_<device>.json and prints a markdown table.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -111,7 +114,10 @@ def setups(preset: dict, small: bool) -> list[tuple[str, Callable[[], nn.Module]
 
 def _step(model: nn.Module, inputs: dict) -> Callable[[], None]:
     """One forward + backward(dy); float inputs get requires_grad so bare activations have a backward.
-    dy is drawn once (seeded) and reused, so no loss computation dilutes the ratio."""
+    dy is drawn once (seeded) and reused, so no loss computation dilutes the ratio. Gradients are
+    zeroed in place, not freed: on CPU a freed gradient is allocated again, and the page faults of
+    refilling hundreds of fresh MB (the embedding's gradient in the Llama row) took 130 to 670 ms per
+    step from one step to the next, the same work for every variant."""
     dy: list[torch.Tensor] = []
 
     def step():
@@ -121,7 +127,7 @@ def _step(model: nn.Module, inputs: dict) -> Callable[[], None]:
         if not dy:
             dy.append(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
         out.backward(dy[0])
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)
 
     return step
 
@@ -156,8 +162,11 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         for k, step in variants.items():
             times[k].append(clock(step))
     row = {"name": name, **{k: median_ms(v) for k, v in times.items()}}
-    row["invact_ratio"] = row["invact_ms"] / row["torch_ms"]
-    row["precision_bit_ratio"] = row["precision_bit_ms"] / row["torch_ms"]
+    torch_ms = [t() for t in times["torch_ms"]]
+    for variant, ratio in (("invact_ms", "invact_ratio"), ("precision_bit_ms", "precision_bit_ratio")):
+        per_round = [t() / base for t, base in zip(times[variant], torch_ms, strict=True)]
+        q1, median, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
+        row[ratio], row[f"{ratio}_quartiles"] = median, [q1, q3]
     return row
 
 
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(result: dict) -> str:
     has_compile = any("compile_ms" in r for r in result["rows"])
-    head = ["setup", "torch (ms)", "InvAct bits", "ratio", "precision-bit", "ratio"]
+    head = ["setup", "torch (ms)", "InvAct bits", "ratio (quartiles)", "precision-bit", "ratio (quartiles)"]
     head += ["torch.compile (ms)"] if has_compile else []
     lines = [f"\n{result['device']}, {result['dtype']}, forward+backward, medians\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
@@ -245,8 +254,8 @@ def markdown(result: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['name']} | {r['error']} |")
             continue
-        cells = [r["name"], f"{r['torch_ms']:.3f}", f"{r['invact_ms']:.3f}", f"{r['invact_ratio']:.3f}x"]
-        cells += [f"{r['precision_bit_ms']:.3f}", f"{r['precision_bit_ratio']:.3f}x"]
+        cells = [r["name"], f"{r['torch_ms']:.3f}", f"{r['invact_ms']:.3f}", _ratio(r, "invact_ratio")]
+        cells += [f"{r['precision_bit_ms']:.3f}", _ratio(r, "precision_bit_ratio")]
         cells += [f"{r['compile_ms']:.3f}"] if has_compile else []
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nfirst InvAct call in a fresh process: {result['first_call_s']:.2f} s")
@@ -256,6 +265,12 @@ def markdown(result: dict) -> str:
         peak = f", datasheet peak {bw['peak_gbps']:.0f} GB/s" if bw["peak_gbps"] else ""
         lines.append(f"bare kernels: {rates}, plain copy {bw['copy_gbps']:.0f} GB/s{peak}")
     return "\n".join(lines)
+
+
+def _ratio(row: dict, key: str) -> str:
+    """'1.012x (0.98-1.05)': the median per-round ratio and its quartiles."""
+    q1, q3 = row[f"{key}_quartiles"]
+    return f"{row[key]:.3f}x ({q1:.2f}-{q3:.2f})"
 
 
 def _version(module: str) -> str | None:

@@ -51,10 +51,12 @@ def median_ms(timings: list[Callable[[], float]]) -> float:
 
 
 def device_name(device: str) -> str:
-    """'NVIDIA H100 80GB HBM3', or the CPU's model and torch's thread count."""
+    """'NVIDIA H100 80GB HBM3', or the CPU's model, torch's CPU capability (its kernels' vector ISA:
+    AVX2, AVX512, ...) and thread count."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"cpu: {cpu_model()}, {torch.get_num_threads()} threads"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"cpu: {cpu_model()} ({capability}), {torch.get_num_threads()} threads"
 
 
 def cpu_model() -> str:
