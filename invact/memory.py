@@ -38,6 +38,13 @@ class MemoryReport:
         return self.saved_bytes / baseline.saved_bytes - 1
 
 
+def parameter_storages(model: nn.Module) -> set[int]:
+    """The data pointers of the storages of `model`'s parameters and buffers; of a DTensor's local
+    shard where FSDP2 (fully_shard) made them DTensors, whose own storage cannot be read."""
+    tensors = (*model.parameters(), *model.buffers())
+    return {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in tensors}
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -47,15 +54,18 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
     buffers of `model` excluded. `report` (a MemoryReport) is filled in on exit."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        self._storages: dict[int, tuple[int, str]] = {}
+        self._excluded = parameter_storages(model)
+        self._storages: dict[int, tuple[torch.UntypedStorage, str]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.report = MemoryReport()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._excluded and t.untyped_storage().nbytes():
-            self._storages[ptr] = (t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."))
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._excluded and storage.nbytes():
+            # Keyed by the storage itself, not its address, and sized on exit: FSDP2 frees the
+            # gathered weights the forward saved by resizing their storage to 0 (the address then
+            # goes to later tensors), and gathers them again for backward.
+            self._storages[storage._cdata] = (storage, str(t.dtype).removeprefix("torch."))
         return t
 
     # It returns the tensor itself: invact.gated's hooks, nested inside, hand it what they keep, so
@@ -69,9 +79,11 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
         by_dtype: dict[str, int] = defaultdict(int)
-        for nbytes, dtype in self._storages.values():
+        held = [(storage.nbytes(), dtype) for storage, dtype in self._storages.values()]
+        self._storages.clear()  # no reference kept past the count
+        for nbytes, dtype in held:
             by_dtype[dtype] += nbytes
-        self.report.saved_tensors = len(self._storages)
+        self.report.saved_tensors = sum(1 for nbytes, _ in held if nbytes)
         self.report.saved_bytes = sum(by_dtype.values())
         self.report.by_dtype = dict(by_dtype)
 

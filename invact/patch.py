@@ -23,6 +23,7 @@ from invact import _generated
 from invact._generated import modules as _classes
 from invact.activations import ACTIVATIONS
 from invact.gated import multiply, recompute_products
+from invact.memory import parameter_storages
 from invact.modules import InvAct
 
 log = logging.getLogger("invact")
@@ -396,7 +397,7 @@ def _measured(
     stack: list[int] = []
     sizes: dict[int, int] = {}
     savers: dict[int, set[int]] = {}
-    excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    excluded = parameter_storages(model)
     parent_of = {key: _parent(model, key)[0] for key in key_of.values()}
     inside: dict[int, int] = {}  # id(parent module) -> its calls in progress
     output_of: dict[int, str] = {}  # id(autograd node of an activation call's output) -> its key

@@ -377,6 +377,37 @@ def test_u_is_copied_out_of_a_fused_gate_up_only_where_that_frees_it(whole_saved
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
 
 
+def test_fsdp2_fully_sharded_decoder_saves_the_products_and_matches(tmp_path):
+    # FSDP2 (fully_shard) on one CPU process (gloo): its parameters become DTensors, gathered before
+    # each layer's forward and freed after it. Gradients stay bitwise those of the unsharded patched
+    # model, and the net memory held after the forward drops by the products, as unsharded.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from invact.memory import saved_tensors
+
+    label = "llama (SwiGLU)"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        plain, gated = _pair(label)
+        reference = _pair(label)[1]  # the same weights, left unsharded
+        for m in (plain, gated):
+            for layer in m.layers:
+                fully_shard(layer)
+            fully_shard(m)
+        ids = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
+        assert _held_bytes(plain, ids) - _held_bytes(gated, ids) == _ideal(label)
+        counted = [saved_tensors(m, **ids).saved_bytes for m in (plain, gated)]
+        assert counted[0] - counted[1] == _ideal(label)
+        for m in (reference, gated):
+            m.zero_grad()
+            m(**ids).last_hidden_state.square().mean().backward()
+        for (name, a), b in zip(reference.named_parameters(), gated.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad.full_tensor()), name
+    finally:
+        dist.destroy_process_group()
+
+
 def test_per_sample_gradients_through_torch_func():
     # torch.func's grad refuses saved-tensor hooks (it disables them): the gated path stands aside.
     from torch.func import functional_call, grad, vmap
