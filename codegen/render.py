@@ -195,17 +195,102 @@ def left_first_holds(y):
 '''
 
 
-def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
-    title = f"{c.activation}, family {c.family!r}: q {_per_branch(c)} as fp32 scalar functions for numba."
+# The numba backward kernel, printed after the scalar functions into every <name>_cpu.py and --emit
+# module. At module level with cache=True, numba stores its machine code on disk (the generated
+# header names invact/_cpu_math.py's sha256, so an edit there regenerates this file and so renews the
+# cache) and a later process loads it instead of compiling: invact._numba calls it.
+_NUMBA_COMMON = """
+
+# The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
+# cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
+# IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
+# approximate-function rewrites (within 6e-7 of the strict build; tests/invact/test_functional.py
+# compares it with the torch-op backward).
+_FASTMATH = {"contract", "reassoc", "arcp", "afn"}
+_INF, _NAN = np.float32(np.inf), np.float32(np.nan)
+_q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
+"""
+
+_NUMBA_MONOTONE = '''
+
+@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def backward_kernel(y, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y) (monotone: no bit). q itself at y = +-inf (x = +-inf); NaN stays NaN."""
+    for i in numba.prange(y.size):
+        dx[i] = dy[i] * (_q_right(y[i]) if y[i] == y[i] else _NAN)
+'''
+
+_NUMBA_TWO_BRANCHES = '''_q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+{first}
+
+
+@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit): q_left where flags[i] & 1, else q_right; NaN where y is +-inf or NaN."""
+    for i in numba.prange(y.size):  # both branches, then a select: branch-free, so it vectorizes
+        a, b = {left}(y[i]), _q_right(y[i])
+        q = a if flags[i] & 1 else b
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch{redo}
+'''
+
+# The left branch is piecewise: the kernel evaluates its first piece (no log) for every element, then
+# finds, block by block, the rare left elements outside it (the left tail, x << T: under 0.1% of
+# N(0, 1) pre-activations) and redoes them with the whole branch.
+_NUMBA_FIRST_PIECE = """_q_first = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(
+    q_left_first_scalar
+)
+_holds = numba.njit(inline="always", cache=True)(left_first_holds)
+_ONE = np.uint8(1)
+_SKIP_BLOCK = 256  # elements checked at once for a left element outside the first piece"""
+
+_NUMBA_REDO = """
+    for block in numba.prange((y.size + _SKIP_BLOCK - 1) // _SKIP_BLOCK):  # the left tail, redone
+        lo, hi = block * _SKIP_BLOCK, min((block + 1) * _SKIP_BLOCK, y.size)
+        rest = np.uint8(0)
+        for i in range(lo, hi):  # branch-free test first: it vectorizes
+            rest |= (flags[i] & _ONE) & (_ONE ^ np.uint8(_holds(y[i])))
+        if rest:
+            for i in range(lo, hi):
+                if flags[i] & 1 and not _holds(y[i]):
+                    q = _q_left(y[i])
+                    dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)"""
+
+
+def _numba_kernel(c: CoeffFile, first_piece: bool) -> str:
+    """The backward kernel's source for this coefficient file (see _NUMBA_COMMON)."""
+    if c.monotone:
+        return _NUMBA_COMMON + _NUMBA_MONOTONE
+    if first_piece:
+        body = _NUMBA_TWO_BRANCHES.format(first=_NUMBA_FIRST_PIECE, left="_q_first", redo=_NUMBA_REDO)
+    else:
+        body = _NUMBA_TWO_BRANCHES.replace("{first}\n", "").format(left="_q_left", redo="")
+    return _NUMBA_COMMON + body
+
+
+CPU_MATH = ROOT / "invact" / "_cpu_math.py"  # what the numba view calls: a source of every file using it
+
+
+def _numba_view(c: CoeffFile) -> str:
+    """The scalar functions, then the backward kernel compiled from them."""
     printer = ScalarPrinter()
+    first_piece = _left_first_piece(c, printer)
+    return f"{_functions(c, printer, '_scalar')}{first_piece}{_numba_kernel(c, bool(first_piece))}"
+
+
+def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
+    title = f"{c.activation}, family {c.family!r}: q {_per_branch(c)} as fp32 scalar functions for numba,"
+    title += " and the backward kernel compiled from them."
     return f'''{_header(sources)}"""{title}"""
 
 import math  # noqa: F401
 
+import numba
+import numpy as np
+
 from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401
 
 
-{_functions(c, printer, "_scalar")}{_left_first_piece(c, printer)}'''
+{_numba_view(c)}'''
 
 
 _TRITON_JIT = "@triton.jit\n"
@@ -246,8 +331,7 @@ def render_emitted(c: CoeffFile, entry: spec.Entry, sources: list[tuple[str, str
         raise ValueError(f"coefficients of {c.activation!r} cannot be emitted for {entry.name!r}")
     torch_view = render_torch(c, sources, entry)
     torch_view = torch_view[torch_view.index("\nACTIVATION = ") + 1 :]  # its constants and functions
-    scalar = ScalarPrinter()
-    cpu_view = f"{_functions(c, scalar, '_scalar')}{_left_first_piece(c, scalar)}"
+    cpu_view = _numba_view(c)
     triton_view = _triton_functions(c, entry, decorator="@_jit\n", prefix="triton_")
     title = f"{c.activation}: a user-defined InvAct activation, f(x) = {entry.f}; family {c.family!r}."
     header = _header(sources).replace("`python -m codegen`", f"`{command}`")
@@ -269,6 +353,8 @@ kernels compile, and the Triton device functions (jitted where triton is install
 
 import math  # noqa: F401
 
+import numba
+import numpy as np
 import torch
 
 from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401
@@ -289,7 +375,7 @@ MODULE_CLASS = {cls}
 FORMULA = {formula}
 {torch_view}
 
-# The numba view: q as fp32 scalar functions.
+# The numba view: q as fp32 scalar functions, and the backward kernel compiled from them.
 
 
 {cpu_view}
@@ -484,6 +570,7 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
     if missing:  # checked before any table is printed: each reads the activation's entry
         raise ValueError(f"{defaults_name}: {missing[0]!r} has no entry in {spec_name}")
     files = {"__init__.py": render_index(defaults, the_spec, index_sources)}
+    cpu_math = (_rel(CPU_MATH), _sha256(CPU_MATH.read_bytes()))
     generated = {a: entries[a] for a in sorted(defaults)}
     files["modules.py"], files["functional.py"] = render_modules(
         generated, [(spec_name, _sha256(spec_bytes))]
@@ -498,7 +585,7 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
         sources = [(name, _sha256(data))]
         with_spec = [(spec_name, _sha256(spec_bytes)), *sources]
         files[f"{activation}.py"] = render_torch(c, with_spec, entries[activation])
-        files[f"{activation}_cpu.py"] = render_cpu(c, sources)
+        files[f"{activation}_cpu.py"] = render_cpu(c, [*sources, cpu_math])
         files[f"{activation}_triton.py"] = render_triton(c, with_spec, entries[activation])
     return files
 

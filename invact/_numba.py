@@ -5,10 +5,11 @@ Optional: without numba, CPU tensors take the portable backend (correct, ~15x sl
 backward).
 
 The backward reads y, one branch flag per element (none for a monotone activation) and dy, and
-writes dx in fp32: one vectorized pass, then a fix-up of the rare left-tail elements (see _kernel).
-Half-precision tensors are converted to fp32 around it (numba has no bf16). The first call per
-activation compiles it (4 to 5 s on a 2-core machine; benchmarks/speed.py reports the first call);
-later calls in the process are free.
+writes dx in fp32: one vectorized pass, then a fix-up of the rare left-tail elements (the kernel is
+printed by codegen, `backward_kernel` in each numba view). Half-precision tensors are converted to
+fp32 around it (numba has no bf16). Every kernel is compiled with cache=True: the first call on a
+machine compiles them (about 5 s on a 2-core machine), later processes load them from numba's disk
+cache; benchmarks/speed.py reports both first calls.
 """
 
 from __future__ import annotations
@@ -29,117 +30,14 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-# Fast-math flags that keep IEEE semantics for NaN and inf (which the kernel relies on): FMA
-# contraction, reassociation, reciprocal and approximate-function rewrites (results within 6e-7 of
-# the strict build, tests/invact/test_functional.py compares them with the torch-op backward).
-_FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _BLOCK = 2**20  # elements per kernel call in bits mode: the unpacked flags (1 MB) are reused per block
-# The left branch's later pieces (its tail, x << T: under 0.1% of N(0, 1) pre-activations) cost a
-# log, a sqrt and a polynomial per element. The kernel evaluates the first piece everywhere, then
-# redoes only the left elements outside it, checking blocks of this many elements.
-_SKIP_BLOCK = 256
 
 
-@functools.cache
-def _kernel(act: Activation):
-    """kernel(y, flags, dy, dx) for a two-branch activation; kernel(y, dy, dx) for a monotone one."""
-    import numba
-    import numpy as np
+def _kernels():
+    """The kernels every activation shares (imports numba, and loads them from numba's disk cache)."""
+    from invact import _numba_kernels
 
-    gen = act.cpu
-    q_right = numba.njit(inline="always", fastmath=_FASTMATH)(gen.q_right_scalar)
-    inf, nan = np.float32(np.inf), np.float32(np.nan)
-
-    if not hasattr(gen, "q_left_scalar"):  # monotone: one branch, no flags
-
-        @numba.njit(parallel=True, fastmath=_FASTMATH)
-        def monotone_kernel(y, dy, dx):  # pragma: no cover - runs compiled
-            for i in numba.prange(y.size):  # q itself at y = +-inf (x = +-inf); NaN stays NaN
-                dx[i] = dy[i] * (q_right(y[i]) if y[i] == y[i] else nan)
-
-        return monotone_kernel
-
-    q_left = numba.njit(inline="always", fastmath=_FASTMATH)(gen.q_left_scalar)
-    has_first = hasattr(gen, "q_left_first_scalar")  # codegen emits it when the left branch is piecewise
-    q_first = (
-        numba.njit(inline="always", fastmath=_FASTMATH)(gen.q_left_first_scalar) if has_first else q_left
-    )
-    holds = numba.njit(inline="always")(gen.left_first_holds if has_first else lambda y: True)
-    one = np.uint8(1)
-
-    @numba.njit(parallel=True, fastmath=_FASTMATH)
-    def kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
-        for i in numba.prange(y.size):  # both branches, then a select: branch-free, so it vectorizes
-            a, b = q_first(y[i]), q_right(y[i])  # the left branch's first piece stands in for it...
-            q = a if flags[i] & 1 else b
-            dx[i] = dy[i] * (q if abs(y[i]) < inf else nan)  # y = +-inf or NaN: NaN, as torch
-        if has_first:  # ...and the rare left elements outside it are redone, block by block
-            for block in numba.prange((y.size + _SKIP_BLOCK - 1) // _SKIP_BLOCK):
-                lo, hi = block * _SKIP_BLOCK, min((block + 1) * _SKIP_BLOCK, y.size)
-                rest = np.uint8(0)
-                for i in range(lo, hi):  # branch-free test first: it vectorizes
-                    rest |= (flags[i] & one) & (one ^ np.uint8(holds(y[i])))
-                if rest:
-                    for i in range(lo, hi):
-                        if flags[i] & 1 and not holds(y[i]):
-                            q = q_left(y[i])
-                            dx[i] = dy[i] * (q if abs(y[i]) < inf else nan)
-
-    return kernel
-
-
-@functools.cache
-def _unpack_kernel():
-    import numba
-
-    @numba.njit(parallel=True)
-    def unpack(bits, n, out):  # pragma: no cover - runs compiled
-        full = n // 8
-        for b in numba.prange(full):  # eight explicit stores: a loop over k would not vectorize
-            v, s = bits[b], 8 * b
-            out[s], out[s + 1], out[s + 2], out[s + 3] = v & 1, (v >> 1) & 1, (v >> 2) & 1, (v >> 3) & 1
-            out[s + 4], out[s + 5], out[s + 6], out[s + 7] = (v >> 4) & 1, (v >> 5) & 1, (v >> 6) & 1, v >> 7
-        for i in range(8 * full, n):
-            out[i] = (bits[full] >> (i - 8 * full)) & 1
-
-    return unpack
-
-
-@functools.cache
-def _pack_kernel():
-    import numba
-
-    @numba.njit(parallel=True)
-    def pack_less(x, threshold, out):  # pragma: no cover - runs compiled
-        full = x.size // 8
-        for b in numba.prange(full):  # one byte from eight explicit compares (vectorizes)
-            s = 8 * b
-            t = threshold
-            lo = (x[s] < t) | ((x[s + 1] < t) << 1) | ((x[s + 2] < t) << 2) | ((x[s + 3] < t) << 3)
-            hi = ((x[s + 4] < t) << 4) | ((x[s + 5] < t) << 5) | ((x[s + 6] < t) << 6) | ((x[s + 7] < t) << 7)
-            out[b] = lo | hi
-        if x.size > 8 * full:
-            v = 0
-            for i in range(8 * full, x.size):
-                v |= (x[i] < threshold) << (i - 8 * full)
-            out[full] = v
-
-    return pack_less
-
-
-@functools.cache
-def _lsb_kernel():
-    import numba
-    import numpy as np
-
-    clear = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
-
-    @numba.njit(parallel=True)
-    def set_lsb_less(x, y_int, threshold):  # pragma: no cover - runs compiled
-        for i in numba.prange(x.size):
-            y_int[i] = (y_int[i] & clear) | np.int32(x[i] < threshold)
-
-    return set_lsb_less
+    return _numba_kernels
 
 
 def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -147,7 +45,7 @@ def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.T
     contiguous float32 CPU tensors (the bool mask then two bitwise passes: three passes)."""
     import numpy as np
 
-    _lsb_kernel()(x.numpy(), y.view(torch.int32).numpy(), np.float32(threshold))
+    _kernels().set_lsb_less(x.numpy(), y.view(torch.int32).numpy(), np.float32(threshold))
     return y
 
 
@@ -158,7 +56,7 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     import numpy as np
 
     out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-    _pack_kernel()(x.numpy(), np.float32(threshold), out.numpy())
+    _kernels().pack_less(x.numpy(), np.float32(threshold), out.numpy())
     return out
 
 
@@ -184,7 +82,7 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     costs ~1 ms of page faults."""
     flags = _bits.int_view(y) if precision_bit and not act.monotone else None
     bits = None if act.monotone or precision_bit else bits
-    kernel = _kernel(act)
+    kernel = act.cpu.backward_kernel  # printed by codegen into the activation's numba view
     y32, dy32 = y.float().contiguous(), dy.float().contiguous()
     dx32 = torch.empty_like(y32)
     n = y32.numel()
@@ -195,7 +93,7 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     if flags is not None:
         kernel(arrays[0], flags.contiguous().numpy(), arrays[1], arrays[2])
         return dx32.to(dy.dtype)
-    unpack = _unpack_kernel()
+    unpack = _kernels().unpack
     scratch = torch.empty(min(n, _BLOCK), dtype=torch.uint8).numpy()
     bits_np = bits.numpy()
     for start in range(0, n, _BLOCK):
