@@ -170,8 +170,14 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
     return row
 
 
-def first_call_seconds(device: str) -> float:
-    """Wall time of the first InvAct GELU forward+backward in a fresh interpreter (kernel compilation)."""
+def first_call_seconds(device: str) -> dict:
+    """Wall time of the first InvAct GELU forward+backward in a fresh interpreter: `cold`, with empty
+    kernel caches (numba's and Triton's, in a new directory: everything compiles), then `warm`, in
+    another fresh interpreter with the caches the first one left (what every later run of a user's
+    script pays)."""
+    import os
+    import tempfile
+
     code = (
         "import time, torch, invact\n"
         f"x = torch.randn(2**20, device={device!r}, requires_grad=True)\n"
@@ -179,10 +185,52 @@ def first_call_seconds(device: str) -> float:
         f"{'torch.cuda.synchronize()' if device == 'cuda' else ''}\n"
         "print(time.perf_counter() - t)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+    seconds = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
+        for label in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 timeout=600, env=env)  # fmt: skip
+            seconds[label] = float(out.stdout.strip().splitlines()[-1])
+    return seconds
+
+
+def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
+    """Per activation of the bare rows: the numba backward kernel alone (bits mode, fp32, `elements`)
+    against a torch pass moving the same bytes but the bits: torch.mul(y, dy, out=dx), which reads two
+    fp32 tensors and writes one, as the backward does (plus n/8 bytes of bits). Interleaved, medians;
+    also torch's own backward op (aten's <act>_backward, or autograd's for a composition)."""
+    from invact import _numba
+    from invact.activations import ACTIVATIONS
+
+    rows = []
+    for name, make in TORCH_ACTIVATIONS.items():
+        act = ACTIVATIONS[name]
+        x = torch.randn(elements, generator=torch.Generator().manual_seed(0))
+        dy = torch.randn(elements, generator=torch.Generator().manual_seed(1))
+        y, bits = _numba.forward(act, x, False)
+        dx = torch.empty_like(y)
+        xg = x.clone().requires_grad_()
+        torch_y = make()(xg)
+        steps = {
+            "backward_ms": lambda act=act, y=y, bits=bits, dy=dy: _numba.backward(act, y, bits, dy, False),
+            "same_bytes_ms": lambda y=y, dy=dy, dx=dx: torch.mul(y, dy, out=dx),
+            "torch_backward_ms": lambda t=torch_y, x=xg, g=dy: torch.autograd.grad(t, x, g, True),
+        }
+        for step in steps.values():  # warm-up: kernel loading, allocator
+            step()
+            step()
+        times = {k: [] for k in steps}
+        clock = timer("cpu")
+        for _ in range(repeats):
+            for k, step in steps.items():
+                times[k].append(clock(step))
+        row = {"activation": name, "elements": elements, **{k: median_ms(v) for k, v in times.items()}}
+        row["bits_bytes"] = (elements + 7) // 8 if not act.monotone else 0
+        row["ratio_to_same_bytes"] = row["backward_ms"] / row["same_bytes_ms"]
+        row["same_bytes_gbps"] = 3 * 4 * elements / row["same_bytes_ms"] / 1e6
+        rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "first_call_s": first_call_seconds(args.device),
         "rows": rows,
     }
+    if args.device == "cpu" and not args.only:
+        result["cpu_backward"] = cpu_backward_bandwidth(preset["elements"], repeats)
     if args.device == "cuda":
         result["kernel_bandwidth"] = kernel_bandwidth(dtype, preset["elements"], repeats)
     print(markdown(result))
@@ -258,7 +308,16 @@ def markdown(result: dict) -> str:
         cells += [f"{r['precision_bit_ms']:.3f}", _ratio(r, "precision_bit_ratio")]
         cells += [f"{r['compile_ms']:.3f}"] if has_compile else []
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append(f"\nfirst InvAct call in a fresh process: {result['first_call_s']:.2f} s")
+    first = result["first_call_s"]
+    lines.append(f"\nfirst InvAct call in a fresh process: {first['cold']:.2f} s with empty kernel caches, "
+                 f"{first['warm']:.2f} s with the caches it left")  # fmt: skip
+    if "cpu_backward" in result:
+        lines += ["", "| backward kernel alone | InvAct (ms) | same bytes, torch.mul (ms) | ratio | torch's "
+                  "backward (ms) |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in result["cpu_backward"]:
+            lines.append(f"| {r['activation']} ({r['elements']} fp32) | {r['backward_ms']:.2f} | "
+                         f"{r['same_bytes_ms']:.2f} ({r['same_bytes_gbps']:.0f} GB/s) | "
+                         f"{r['ratio_to_same_bytes']:.2f}x | {r['torch_backward_ms']:.2f} |")  # fmt: skip
     if "kernel_bandwidth" in result:
         bw = result["kernel_bandwidth"]
         rates = f"forward {bw['forward_gbps']:.0f} GB/s, backward {bw['backward_gbps']:.0f} GB/s"

@@ -22,6 +22,9 @@ def test_small_cpu_run(tmp_path):
     for row in data["rows"]:
         assert row["torch_ms"] > 0 and row["invact_ms"] > 0 and row["precision_bit_ms"] > 0
     assert "| GeGLU (64, 32 -> 128) |" in proc.stdout
+    assert set(data["first_call_s"]) == {"cold", "warm"} and all(t > 0 for t in data["first_call_s"].values())
+    bandwidth = {row["activation"]: row for row in data["cpu_backward"]}
+    assert "gelu" in bandwidth and all(row["same_bytes_ms"] > 0 for row in bandwidth.values())
 
 
 def test_bad_arguments():
