@@ -18,18 +18,26 @@ def test_small_run(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
-    assert len(rows) == 7 and "| BERT-base |" in stem.with_suffix(".md").read_text()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory import CASES
+
+    assert [r["model"] for r in rows] == [c.name for c in CASES]
+    assert "| BERT-base |" in stem.with_suffix(".md").read_text()
     for r in rows:
         assert r["replaced"] > 0, r["model"]  # an activation not replaced is a bug
         achieved = r["torch_eager"] - r["invact_bits"]
-        # within 5% of the ideal (every activation input freed, bits added): what the README claims
-        assert achieved >= 0.95 * r["ideal_saving"], r["model"]
+        # within 5% of the ideal (every activation input freed, bits added): what the README claims,
+        # but where g and u are halves of one output, which u keeps (there the activation alone adds
+        # its bits)
+        assert (achieved >= 0.95 * r["ideal_saving"]) != r["fused_gate_up"], r["model"]
         assert r["invact_precision_bit"] < r["invact_bits"]  # no bits saved at all
-        # The gated path (patch's default) drops every gated product a down projection is given, and
-        # changes nothing where there is none (the encoders, GPT-2): exactly its ideal, in both cases.
-        assert r["invact_bits"] - r["invact_gated"] == r["ideal_gated_saving"] - r["ideal_saving"], r["model"]
-    gated = [r for r in rows if "SwiGLU" in r["model"]]
-    assert gated and all(r["invact_gated"] < r["invact_bits"] for r in gated)
+        # The gated path (patch's default) also drops every gated product a down projection is given
+        # (and, where gate_up is fused, g's half of it); where there is none (the encoders, GPT-2) it
+        # changes nothing: within 1% of its ideal (the README: 100.0% on every gated row).
+        gated = r["torch_eager"] - r["invact_gated"]
+        assert gated >= 0.99 * r["ideal_gated_saving"], r["model"]
+        if r["ideal_gated_saving"] == r["ideal_saving"]:
+            assert r["invact_gated"] == r["invact_bits"], r["model"]
 
 
 def test_bad_arguments(tmp_path):
