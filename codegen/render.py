@@ -21,8 +21,6 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-import sympy
-
 from codegen import spec
 from codegen.coeffs_json import CoeffFile, loads
 from codegen.functions import fold_constants
@@ -171,30 +169,6 @@ STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
 {_functions(c, TorchPrinter(), "", annotate=True)}'''
 
 
-def _left_first_piece(c: CoeffFile, printer: ScalarPrinter) -> str:
-    """When the left branch is a Piecewise: its first piece alone and the condition under which it is
-    the value. The numba kernel evaluates it instead of the whole branch for blocks of elements
-    where the condition holds (the left tail, x << T, is rare in pre-activations), skipping the
-    other pieces' log. Empty otherwise."""
-    if c.monotone:
-        return ""
-    expr = c.branches["left"].sympy_expression()
-    if not isinstance(expr, sympy.Piecewise) or len(expr.args) < 2:
-        return ""
-    (value, cond), *_ = expr.args
-    return f'''
-
-def q_left_first_scalar(y):
-    """q_left_scalar(y) wherever left_first_holds(y): the left branch's first piece alone."""
-{function_body(value, printer)}
-
-
-def left_first_holds(y):
-    """Where q_left_first_scalar is the left branch's value."""
-    return {printer.doprint(cond)}
-'''
-
-
 # The numba backward kernel, printed after the scalar functions into every <name>_cpu.py and --emit
 # module. At module level with cache=True, numba stores its machine code on disk (the generated
 # header names invact/_cpu_math.py's sha256, so an edit there regenerates this file and so renews the
@@ -221,50 +195,24 @@ def backward_kernel(y, dy, dx):  # pragma: no cover - runs compiled
 '''
 
 _NUMBA_TWO_BRANCHES = '''_q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
-{first}
 
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
     """dx = dy * q(y, bit): q_left where flags[i] & 1, else q_right; NaN where y is +-inf or NaN."""
-    for i in numba.prange(y.size):  # both branches, then a select: branch-free, so it vectorizes
-        a, b = {left}(y[i]), _q_right(y[i])
+    for i in numba.prange(y.size):
+        # Both branches, every piece of each, then a select: branch-free, so it vectorizes. Not the
+        # left branch's cheap first piece alone with the elements beyond it redone in a scalar pass:
+        # for gelu those are 2% of N(0, 1) inputs (x < -2.05), so nearly every block had some.
+        a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
-        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch{redo}
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
 '''
 
-# The left branch is piecewise: the kernel evaluates its first piece (no log) for every element, then
-# finds, block by block, the rare left elements outside it (the left tail, x << T: under 0.1% of
-# N(0, 1) pre-activations) and redoes them with the whole branch.
-_NUMBA_FIRST_PIECE = """_q_first = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(
-    q_left_first_scalar
-)
-_holds = numba.njit(inline="always", cache=True)(left_first_holds)
-_ONE = np.uint8(1)
-_SKIP_BLOCK = 256  # elements checked at once for a left element outside the first piece"""
 
-_NUMBA_REDO = """
-    for block in numba.prange((y.size + _SKIP_BLOCK - 1) // _SKIP_BLOCK):  # the left tail, redone
-        lo, hi = block * _SKIP_BLOCK, min((block + 1) * _SKIP_BLOCK, y.size)
-        rest = np.uint8(0)
-        for i in range(lo, hi):  # branch-free test first: it vectorizes
-            rest |= (flags[i] & _ONE) & (_ONE ^ np.uint8(_holds(y[i])))
-        if rest:
-            for i in range(lo, hi):
-                if flags[i] & 1 and not _holds(y[i]):
-                    q = _q_left(y[i])
-                    dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)"""
-
-
-def _numba_kernel(c: CoeffFile, first_piece: bool) -> str:
+def _numba_kernel(c: CoeffFile) -> str:
     """The backward kernel's source for this coefficient file (see _NUMBA_COMMON)."""
-    if c.monotone:
-        return _NUMBA_COMMON + _NUMBA_MONOTONE
-    if first_piece:
-        body = _NUMBA_TWO_BRANCHES.format(first=_NUMBA_FIRST_PIECE, left="_q_first", redo=_NUMBA_REDO)
-    else:
-        body = _NUMBA_TWO_BRANCHES.replace("{first}\n", "").format(left="_q_left", redo="")
-    return _NUMBA_COMMON + body
+    return _NUMBA_COMMON + (_NUMBA_MONOTONE if c.monotone else _NUMBA_TWO_BRANCHES)
 
 
 CPU_MATH = ROOT / "invact" / "_cpu_math.py"  # what the numba view calls: a source of every file using it
@@ -272,9 +220,7 @@ CPU_MATH = ROOT / "invact" / "_cpu_math.py"  # what the numba view calls: a sour
 
 def _numba_view(c: CoeffFile) -> str:
     """The scalar functions, then the backward kernel compiled from them."""
-    printer = ScalarPrinter()
-    first_piece = _left_first_piece(c, printer)
-    return f"{_functions(c, printer, '_scalar')}{first_piece}{_numba_kernel(c, bool(first_piece))}"
+    return f"{_functions(c, ScalarPrinter(), '_scalar')}{_numba_kernel(c)}"
 
 
 def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:

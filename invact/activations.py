@@ -50,8 +50,8 @@ class Activation:
 
     @functools.cached_property
     def cpu(self) -> ModuleType:
-        """The numba view: q_left_scalar/q_right_scalar (and, for a piecewise left branch,
-        q_left_first_scalar and left_first_holds), plain Python on fp32 scalars."""
+        """The numba view: q_left_scalar/q_right_scalar, plain Python on fp32 scalars, and
+        backward_kernel, which numba compiles from them (imports numba)."""
         return self._view("_cpu")
 
     @functools.cached_property

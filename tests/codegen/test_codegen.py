@@ -103,21 +103,6 @@ def test_printers_on_small_expressions():
         function_body(Y + sympy.Symbol("c0"), TorchPrinter())
 
 
-@pytest.mark.parametrize("activation", sorted(a for a in DEFAULTS if not ACTIVATIONS[a].monotone))
-def test_left_first_piece_is_the_left_branch_where_it_holds(activation):
-    # The numba kernel evaluates q_left_first_scalar everywhere and redoes only the elements where
-    # left_first_holds is false, so the two must agree exactly wherever it holds, and the condition
-    # must hold near the cusp and fail in the far tail.
-    gen = importlib.import_module(f"invact._generated.{activation}_cpu")
-    act = ACTIVATIONS[activation]
-    ys = np.float32(act.y_min) * np.geomspace(1.0, 1e-9, 200, dtype=np.float32)  # the left branch's range
-    holds = [bool(gen.left_first_holds(y)) for y in ys]
-    assert holds[0] and not holds[-1]
-    for y, h in zip(ys, holds, strict=True):
-        if h:
-            assert gen.q_left_first_scalar(y) == gen.q_left_scalar(y), y
-
-
 def test_a_default_without_a_spec_entry_is_one_line(tmp_path):
     shutil.copytree(COEFFS, tmp_path / "coeffs")
     defaults = json.loads((COEFFS / "defaults.json").read_text()) | {"swish2": "floor"}
