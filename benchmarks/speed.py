@@ -4,9 +4,11 @@ Setups (the paper's time table, A100): the bare activation (gelu, gelu_tanh, sil
 which is monotone and stores no bit), Linear+GELU, an MLP block, GeGLU, BERT-base and a
 Llama-3.1-8B-shaped decoder (SiLU), each as torch eager, InvAct bits, InvAct precision-bit and (with
 --compile) torch.compile of the torch model. Runs are interleaved (torch, bits, precision-bit,
-compile, torch, ...): each variant's median of --repeats is reported, and its ratio to torch is the
-median of the per-round ratios (each round runs every variant once, back to back, so a slow spell of a
-shared machine hits both sides of a ratio), with their quartiles. CUDA timings use CUDA events. Sizes:
+compile, then the same order rotated by one, ...): each variant's median of --repeats is reported, and
+its ratio to torch is the median of the per-round ratios (each round runs every variant once, back to
+back, so a slow spell of a shared machine hits both sides of a ratio), with their quartiles. On CPU it
+also times the backward kernel alone against a torch pass moving the same bytes, and it reports the
+first call in a fresh process with cold and warm kernel caches. CUDA timings use CUDA events. Sizes:
 --preset paper is the paper's (for a GPU), cpu is scaled down for a 2-core machine, --small is a
 smoke run. On CUDA it also reports the bandwidth of the bare Triton kernels. Writes
 benchmarks/results/speed_<device>.json and prints a markdown table.
@@ -158,9 +160,10 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         step()
         step()
     times = {k: [] for k in variants}
-    for _ in range(repeats):
-        for k, step in variants.items():
-            times[k].append(clock(step))
+    order = list(variants)
+    for round_ in range(repeats):  # the order rotates, so no variant always runs first (or after another)
+        for k in order[round_ % len(order) :] + order[: round_ % len(order)]:
+            times[k].append(clock(variants[k]))
     row = {"name": name, **{k: median_ms(v) for k, v in times.items()}}
     torch_ms = [t() for t in times["torch_ms"]]
     for variant, ratio in (("invact_ms", "invact_ratio"), ("precision_bit_ms", "precision_bit_ratio")):

@@ -5,8 +5,8 @@ Optional: without numba, CPU tensors take the portable backend (correct, ~15x sl
 backward).
 
 The backward reads y, one branch flag per element (none for a monotone activation) and dy, and
-writes dx in fp32: one vectorized pass, then a fix-up of the rare left-tail elements (the kernel is
-printed by codegen, `backward_kernel` in each numba view). Half-precision tensors are converted to
+writes dx in fp32 in one vectorized pass (the kernel is printed by codegen: `backward_kernel` in each
+numba view). Half-precision tensors are converted to
 fp32 around it (numba has no bf16). Every kernel is compiled with cache=True: the first call on a
 machine compiles them (about 5 s on a 2-core machine), later processes load them from numba's disk
 cache; benchmarks/speed.py reports both first calls.
