@@ -86,7 +86,12 @@ class _Part:
 
 
 def _tensors(output) -> list[torch.Tensor]:
-    items = output if isinstance(output, (tuple, list)) else (output,)
+    """The tensors a module returned: itself, or the items of a tuple, list or dict (ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [t for t in output.values() if isinstance(t, torch.Tensor)]
+    items = output if isinstance(output, (tuple, list)) else ()
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
