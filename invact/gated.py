@@ -24,6 +24,8 @@ really saved.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -140,14 +142,22 @@ class _Scope:
             part.t = self.observe(part.t)
 
 
-# The hooked module calls in progress, innermost last.
-_SCOPES: list[_Scope] = []
+class _Calls(threading.local):
+    """The hooked module calls in progress in this thread (as saved-tensor hooks are: nn.DataParallel
+    runs its replicas' forwards in threads), innermost last."""
+
+    def __init__(self) -> None:
+        self.scopes: list[_Scope] = []
+
+
+_CALLS = _Calls()
 
 
 def _note_input(module, args) -> None:
     """Forward pre-hook of an InvAct module inside a hooked one: record its input's storage."""
-    if _SCOPES and not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
-        _SCOPES[-1].inputs.add(args[0].untyped_storage().data_ptr())
+    scopes = _CALLS.scopes
+    if scopes and not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
+        scopes[-1].inputs.add(args[0].untyped_storage().data_ptr())
 
 
 _STAND_ASIDE = object()
@@ -184,7 +194,7 @@ class _Hooks:
             if outer is not _STAND_ASIDE:
                 scope = _Scope(outer)
                 scope.hooks.__enter__()
-                _SCOPES.append(scope)
+                _CALLS.scopes.append(scope)
         self.stack.append(scope)
 
     def post(self, module, args, kwargs, output):
@@ -193,7 +203,7 @@ class _Hooks:
         scope = self.stack.pop() if self.stack else None
         if scope is not None:
             scope.hooks.__exit__(None, None, None)
-            _SCOPES.remove(scope)
+            _CALLS.scopes.remove(scope)
             scope.close(output)
 
 
