@@ -50,13 +50,20 @@ def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.T
 
 
 def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The packed bits of x < threshold (LSB first) for a flat contiguous float32 CPU tensor, in one
-    pass (the bool mask then _bits.pack: three passes, measured 3.4 -> 1.0 ms on 2^22 elements).
-    The threshold is rounded to float32 first, as torch does when it compares with a Python float."""
+    """The packed bits of x < threshold (LSB first) for a flat contiguous float32 CPU tensor, block by
+    block through a reused scratch of one flag byte per element (one n-byte buffer per call would
+    cost its page faults). The threshold is rounded to float32 first, as torch does when it compares
+    with a Python float."""
     import numpy as np
 
-    out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-    _kernels().pack_less(x.numpy(), np.float32(threshold), out.numpy())
+    n = x.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    x_np, out_np, t = x.numpy(), out.numpy(), np.float32(threshold)
+    scratch = np.empty(min(n, _BLOCK), dtype=np.uint8)
+    for start in range(0, n, _BLOCK):  # _BLOCK is a multiple of 8: each block fills whole bytes
+        stop = min(start + _BLOCK, n)
+        flags, bytes_ = scratch[: stop - start], out_np[start // 8 : (stop + 7) // 8]
+        _kernels().pack_less(x_np[start:stop], t, flags, bytes_)
     return out
 
 

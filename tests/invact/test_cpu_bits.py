@@ -22,7 +22,8 @@ def _inputs(n: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2**16 + 5])
+# sizes around a byte, and past the block the packing runs in (one block, then a partial one)
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2**16 + 5, _numba._BLOCK, 2 * _numba._BLOCK + 13])
 def test_pack_less_matches_the_mask_then_pack(n):
     x = _inputs(n)
     assert torch.equal(_numba.pack_less(x, T), _bits.pack(is_left(x, T)))
