@@ -40,6 +40,13 @@ def _kernels():
     return _numba_kernels
 
 
+def _words(flags):
+    """The whole 8-byte words of a uint8 numpy array, as a uint64 view of the same memory."""
+    import numpy as np
+
+    return flags[: flags.size // 8 * 8].view(np.uint64)
+
+
 def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Precision-bit mode in one pass: y's lowest mantissa bit := x < threshold, in place, for flat
     contiguous float32 CPU tensors (the bool mask then two bitwise passes: three passes)."""
@@ -63,7 +70,7 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     for start in range(0, n, _BLOCK):  # _BLOCK is a multiple of 8: each block fills whole bytes
         stop = min(start + _BLOCK, n)
         flags, bytes_ = scratch[: stop - start], out_np[start // 8 : (stop + 7) // 8]
-        _kernels().pack_less(x_np[start:stop], t, flags, bytes_)
+        _kernels().pack_less(x_np[start:stop], t, flags, _words(flags), bytes_)
     return out
 
 
@@ -105,6 +112,7 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     bits_np = bits.numpy()
     for start in range(0, n, _BLOCK):
         stop = min(start + _BLOCK, n)
-        unpack(bits_np[start // 8 : (stop + 7) // 8], stop - start, scratch)
+        flags = scratch[: stop - start]
+        unpack(bits_np[start // 8 : (stop + 7) // 8], stop - start, flags, _words(flags))
         kernel(arrays[0][start:stop], scratch[: stop - start], arrays[1][start:stop], arrays[2][start:stop])
     return dx32.to(dy.dtype)

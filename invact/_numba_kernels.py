@@ -13,14 +13,25 @@ import numpy as np
 _CLEAR_LSB = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
 
 
+# Byte b times this repeats it in all eight bytes of a uint64; & _BIT_K keeps bit k in byte k; adding
+# 0x7F to each byte (no byte exceeds 0x80, so none carries) sets its top bit where it was not 0; >> 7
+# and & _ONES leave byte k = bit k of b. The eight flags of one byte in one uint64 store.
+_REPEAT = np.uint64(0x0101010101010101)
+_BIT_K = np.uint64(0x8040201008040201)
+_SEVEN_F = np.uint64(0x7F7F7F7F7F7F7F7F)
+_SEVEN = np.uint64(7)
+
+
 @numba.njit(parallel=True, cache=True)
-def unpack(bits, n, out):  # pragma: no cover - runs compiled
-    """out[i] = bit i of `bits` (LSB first) for i < n."""
+def unpack(bits, n, out, words):  # pragma: no cover - runs compiled
+    """out[i] = bit i of `bits` (LSB first) for i < n. Whole bytes go eight flags at a time, as one
+    uint64 (eight strided byte stores per bit byte ran several times slower): `words` is out's first
+    8 (n // 8) bytes viewed as uint64, made by numpy (writes through numba's own
+    view of a slice were lost: numba 0.68)."""
     full = n // 8
-    for b in numba.prange(full):  # eight explicit stores: a loop over k would not vectorize
-        v, s = bits[b], 8 * b
-        out[s], out[s + 1], out[s + 2], out[s + 3] = v & 1, (v >> 1) & 1, (v >> 2) & 1, (v >> 3) & 1
-        out[s + 4], out[s + 5], out[s + 6], out[s + 7] = (v >> 4) & 1, (v >> 5) & 1, (v >> 6) & 1, v >> 7
+    for b in numba.prange(full):
+        v = (np.uint64(bits[b]) * _REPEAT) & _BIT_K
+        words[b] = ((v + _SEVEN_F) >> _SEVEN) & _REPEAT
     for i in range(8 * full, n):
         out[i] = (bits[full] >> (i - 8 * full)) & 1
 
@@ -34,15 +45,15 @@ _TOP_BYTE = np.uint64(56)
 
 
 @numba.njit(parallel=True, cache=True)
-def pack_less(x, threshold, flags, out):  # pragma: no cover - runs compiled
-    """out = the bits of x < threshold, packed LSB first; `flags`: scratch of x.size bytes. Two
-    passes, each over contiguous memory, so both vectorize: the compares into flags, then eight
+def pack_less(x, threshold, flags, words, out):  # pragma: no cover - runs compiled
+    """out = the bits of x < threshold, packed LSB first; `flags`: scratch of x.size bytes, `words`:
+    its first 8 (x.size // 8) bytes viewed as uint64 (by numpy, as for unpack).
+    Two passes, each over contiguous memory, so both vectorize: the compares into flags, then eight
     flags (one uint64) into each byte by one multiply. (One pass that loads eight strided elements
     per byte ran 8x slower.)"""
     for i in numba.prange(x.size):
         flags[i] = x[i] < threshold
     full = x.size // 8
-    words = flags[: 8 * full].view(np.uint64)
     for b in numba.prange(full):
         out[b] = np.uint8((words[b] * _GATHER_BITS) >> _TOP_BYTE)
     if x.size > 8 * full:

@@ -29,6 +29,18 @@ def test_pack_less_matches_the_mask_then_pack(n):
     assert torch.equal(_numba.pack_less(x, T), _bits.pack(is_left(x, T)))
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2**16 + 5])
+def test_unpack_kernel_matches_torchs_unpack(n):
+    import numpy as np
+
+    from invact import _numba_kernels
+
+    bits = _bits.pack(torch.rand(n) < 0.5)
+    flags = np.empty(n, dtype=np.uint8)
+    _numba_kernels.unpack(bits.numpy(), n, flags, _numba._words(flags))
+    assert torch.equal(torch.from_numpy(flags), _bits.unpack(bits, n).to(torch.uint8))  # 0 or 1 each
+
+
 @pytest.mark.parametrize("n", [1, 13, 2**16 + 5])
 def test_set_lsb_less_matches_the_mask_then_with_lsb(n):
     x = _inputs(n)
