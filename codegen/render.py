@@ -170,9 +170,7 @@ STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
 
 
 # The numba backward kernel, printed after the scalar functions into every <name>_cpu.py and --emit
-# module. At module level with cache=True, numba stores its machine code on disk (the generated
-# header names invact/_cpu_math.py's sha256, so an edit there regenerates this file and so renews the
-# cache) and a later process loads it instead of compiling: invact._numba calls it.
+# module (its comment below says why at module level); invact._numba calls it.
 _NUMBA_COMMON = """
 
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
@@ -216,6 +214,12 @@ def _numba_kernel(c: CoeffFile) -> str:
 
 
 CPU_MATH = ROOT / "invact" / "_cpu_math.py"  # what the numba view calls: a source of every file using it
+
+
+def cpu_math_source() -> tuple[str, str]:
+    """(path, sha256) of invact/_cpu_math.py, for the header of a file holding a numba view: a cached
+    kernel compiled that code in, so an edit there must regenerate the file (which renews the cache)."""
+    return _rel(CPU_MATH), _sha256(CPU_MATH.read_bytes())
 
 
 def _numba_view(c: CoeffFile) -> str:
@@ -516,7 +520,7 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
     if missing:  # checked before any table is printed: each reads the activation's entry
         raise ValueError(f"{defaults_name}: {missing[0]!r} has no entry in {spec_name}")
     files = {"__init__.py": render_index(defaults, the_spec, index_sources)}
-    cpu_math = (_rel(CPU_MATH), _sha256(CPU_MATH.read_bytes()))
+    cpu_math = cpu_math_source()
     generated = {a: entries[a] for a in sorted(defaults)}
     files["modules.py"], files["functional.py"] = render_modules(
         generated, [(spec_name, _sha256(spec_bytes))]

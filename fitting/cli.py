@@ -273,10 +273,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         emitted = None
         if args.emit:
             from codegen.coeffs_json import loads
-            from codegen.render import CPU_MATH, render_emitted
+            from codegen.render import cpu_math_source, render_emitted
 
             sources = [(out.as_posix(), hashlib.sha256(text.encode("utf-8")).hexdigest())]
-            sources.append(("invact/_cpu_math.py", hashlib.sha256(CPU_MATH.read_bytes()).hexdigest()))
+            sources.append(cpu_math_source())
             command = f"invact-fit {args.activation} --expr {args.expr!r} --family {args.family} --emit"
             emitted = render_emitted(loads(text, out), entry, sources, command)
         regenerate = None

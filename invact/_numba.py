@@ -6,10 +6,10 @@ backward).
 
 The backward reads y, one branch flag per element (none for a monotone activation) and dy, and
 writes dx in fp32 in one vectorized pass (the kernel is printed by codegen: `backward_kernel` in each
-numba view). Half-precision tensors are converted to
-fp32 around it (numba has no bf16). Every kernel is compiled with cache=True: the first call on a
-machine compiles them (about 5 s on a 2-core machine), later processes load them from numba's disk
-cache; benchmarks/speed.py reports both first calls.
+numba view). Half-precision tensors are converted to fp32 around it (numba has no bf16). Every kernel
+is compiled with cache=True: the first call on a machine compiles them (about 5 s on a 2-core
+machine), later processes load them from numba's disk cache; benchmarks/speed.py reports both first
+calls.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     bits_np = bits.numpy()
     for start in range(0, n, _BLOCK):
         stop = min(start + _BLOCK, n)
-        flags = scratch[: stop - start]
-        unpack(bits_np[start // 8 : (stop + 7) // 8], stop - start, flags, _words(flags))
-        kernel(arrays[0][start:stop], scratch[: stop - start], arrays[1][start:stop], arrays[2][start:stop])
+        block = scratch[: stop - start]  # this block's flags, one byte per element
+        unpack(bits_np[start // 8 : (stop + 7) // 8], stop - start, block, _words(block))
+        kernel(arrays[0][start:stop], block, arrays[1][start:stop], arrays[2][start:stop])
     return dx32.to(dy.dtype)
