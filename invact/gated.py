@@ -128,13 +128,14 @@ class _Scope:
             return saved.tensor()
         return saved.t if isinstance(saved, _Part) else saved
 
-    def close(self, output) -> None:
+    def close(self, arguments: tuple, output) -> None:
         """At the module's return, copy each saved part of an InvAct input's storage out of it: u,
         when g and u are the halves of one fused gate_up output. InvAct saves y, not g, so u alone
         would keep the whole output; with u copied out, nothing does, and g's half is freed. Not
-        where some op in the call saved that storage whole or the module returns it: there the copy
-        would add u's bytes."""
-        kept = self.whole | {t.untyped_storage().data_ptr() for t in _tensors(output)}
+        where some op in the call saved that storage whole, or the module was given it or returns
+        it (its caller holds it): there the copy would add u's bytes."""
+        given = [t for a in arguments for t in _tensors(a)]
+        kept = self.whole | {t.untyped_storage().data_ptr() for t in (*given, *_tensors(output))}
         for part in self.parts:
             ptr = part.t.untyped_storage().data_ptr()
             if ptr in self.inputs and ptr not in kept:
@@ -204,7 +205,7 @@ class _Hooks:
         if scope is not None:
             scope.hooks.__exit__(None, None, None)
             _CALLS.scopes.remove(scope)
-            scope.close(output)
+            scope.close((*args, kwargs), output)
 
 
 def recompute_products(module: nn.Module) -> bool:

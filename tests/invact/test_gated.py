@@ -417,6 +417,36 @@ def test_u_is_copied_out_of_a_fused_gate_up_only_where_that_frees_it(whole_saved
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
 
 
+def test_u_is_not_copied_out_of_a_gate_up_output_the_module_was_given():
+    # The MLP gets gate_up from its caller, which saves it whole after the call: the hooked module
+    # cannot see that save, so it must not copy u (the copy would add u's bytes): only the product goes.
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down, self.act = nn.Linear(INTERMEDIATE, HIDDEN), nn.SiLU()
+
+        def forward(self, gate_up):
+            g, u = gate_up.chunk(2, dim=-1)
+            return self.down(self.act(g) * u)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up, self.mlp = nn.Linear(HIDDEN, 2 * INTERMEDIATE), Inner()
+
+        def forward(self, x):
+            gate_up = self.gate_up(x)
+            return self.mlp(gate_up) + gate_up.square().mean()
+
+    torch.manual_seed(0)
+    plain, gated = Outer(), Outer()
+    gated.load_state_dict(plain.state_dict())
+    invact.patch(plain, gated=False)
+    invact.patch(gated)
+    inputs = {"x": torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)}
+    assert _held_bytes(plain, inputs) - _held_bytes(gated, inputs) == BATCH * SEQ * INTERMEDIATE * 4
+
+
 def test_fsdp2_fully_sharded_decoder_saves_the_products_and_matches(tmp_path):
     # FSDP2 (fully_shard) on one CPU process (gloo): its parameters become DTensors, gathered before
     # each layer's forward and freed after it. Gradients stay bitwise those of the unsharded patched
