@@ -21,6 +21,8 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
+import sympy
+
 from codegen import spec
 from codegen.coeffs_json import CoeffFile, loads
 from codegen.functions import fold_constants
@@ -192,25 +194,128 @@ def backward_kernel(y, dy, dx):  # pragma: no cover - runs compiled
         dx[i] = dy[i] * (_q_right(y[i]) if y[i] == y[i] else _NAN)
 '''
 
-_NUMBA_TWO_BRANCHES = '''_q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_Q_LEFT_JIT = '_q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)\n'
+_NUMBA_TWO_BRANCHES = '''{piece_jits}
+# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones). A branch's far piece runs
+# only in blocks holding an element beyond its split; with splits chosen for this (the floor family's
+# block cost), few blocks have one, and the rest evaluate the near pieces alone.
+_BLOCK = 16
+_SPAN = 2**16  # elements per call of _backward_span: a whole number of blocks (256 KB of y)
 
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) on one thread's span: q_left where flags[i] & 1, else q_right; NaN where y
+    is +-inf or NaN. Block by block: each element's near piece, then each far piece that some element
+    of the block needs; the last partial block evaluates every piece. Branch-free within a pass, so
+    each pass vectorizes."""
+    full = y.size - y.size % _BLOCK
+    for lo in range(0, full, _BLOCK):
+{flag_init}
+        for j in range(_BLOCK):
+            i = lo + j
+            left = flags[i] & 1
+            q = {left_near}(y[i]) if left else {right_near}(y[i])
+{flag_update}
+            dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+{far_passes}
+    for i in range(full, y.size):
+        a, b = _q_left(y[i]), _q_right(y[i])
+        q = a if flags[i] & 1 else b
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)
+
+
+@numba.njit(parallel=True, cache=True)
+def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) (see _backward_span), span by span of _SPAN elements across the threads. A
+    prange over blocks would put the block loops in numba's parallel body, which it compiled 4x slower
+    (measured); each span a call of the serial function keeps them as fast as a serial loop."""
+    for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
+        _backward_span(y[lo:hi], flags[lo:hi], dy[lo:hi], dx[lo:hi])
+'''
+
+_NUMBA_EVERY_PIECE = '''
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
     """dx = dy * q(y, bit): q_left where flags[i] & 1, else q_right; NaN where y is +-inf or NaN."""
     for i in numba.prange(y.size):
-        # Both branches, every piece of each, then a select: branch-free, so it vectorizes. Not the
-        # left branch's cheap first piece alone with the elements beyond it redone in a scalar pass:
-        # for gelu those are 2% of N(0, 1) inputs (x < -2.05), so nearly every block had some.
+        # Both branches, every piece of each, then a select: branch-free, so it vectorizes.
         a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
 '''
 
+_NUMBA_FAR_PASS = """        if far_{name}:
+            for j in range(_BLOCK):
+                i = lo + j
+                beyond = {bit} & (y[i] >= {split}) & (abs(y[i]) < _INF)
+                q = _q_{name}_far(y[i])
+                dx[i] = dy[i] * q if beyond else dx[i]"""
+
+_BRANCH_BIT = {"left": "(flags[i] & 1 == 1)", "right": "(flags[i] & 1 == 0)"}
+
+
+def _split(expression: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr] | None:
+    """(near, far, split) of a branch q = Piecewise((near, y < split), (far, True)) whose far piece alone
+    calls exp or log (the floor family's two-branch forms), else None: where both pieces cost alike,
+    skipping one saves nothing."""
+    if not (isinstance(expression, sympy.Piecewise) and len(expression.args) == 2):
+        return None
+    (near, condition), (far, otherwise) = expression.args
+    is_split = isinstance(condition, sympy.StrictLessThan) and condition.lhs == spec.Y
+    if not (is_split and condition.rhs.is_Number and otherwise == sympy.true):
+        return None
+    if not far.has(sympy.exp, sympy.log) or near.has(sympy.exp, sympy.log):
+        return None
+    return near, far, condition.rhs
+
+
+def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
+    """The near and far piece of each split branch as scalar functions, and each split as a constant
+    (NAME_SPLIT); with which branches have one."""
+    blocks, has_split = [], {}
+    printer = ScalarPrinter()
+    for name, branch in c.branches.items():
+        pieces = _split(branch.sympy_expression())
+        has_split[name] = pieces is not None
+        if pieces is None:
+            continue
+        near, far, split = pieces
+        constant = f"{name.upper()}_SPLIT"
+        blocks.append(f"{constant} = {printer.doprint(split)}  # q_{name}'s near piece below, far from it\n")
+        for label, piece, side in (("near", near, "<"), ("far", far, ">=")):
+            doc = f"q_{name}_scalar's {label} piece (y {side} {constant})."
+            body = function_body(piece, printer)
+            blocks.append(f'def q_{name}_{label}_scalar(y):\n    """{doc}"""\n{body}\n')
+    return "\n\n".join(blocks), has_split
+
 
 def _numba_kernel(c: CoeffFile) -> str:
     """The backward kernel's source for this coefficient file (see _NUMBA_COMMON)."""
-    return _NUMBA_COMMON + (_NUMBA_MONOTONE if c.monotone else _NUMBA_TWO_BRANCHES)
+    if c.monotone:
+        return _NUMBA_COMMON + _NUMBA_MONOTONE
+    _, has_split = _numba_pieces(c)
+    if not any(has_split.values()):
+        return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_EVERY_PIECE
+    jits, near, inits, updates, passes = [], {}, [], [], []
+    for name in ("left", "right"):
+        if not has_split[name]:
+            near[name] = f"_q_{name}"
+            continue
+        near[name] = f"_q_{name}_near"
+        for label in ("near", "far"):
+            jits.append(f"_q_{name}_{label} = numba.njit(inline=\"always\", fastmath=_FASTMATH, cache=True)"
+                        f"(q_{name}_{label}_scalar)")  # fmt: skip
+        bit, split = _BRANCH_BIT[name], f"{name.upper()}_SPLIT"
+        inits.append(f"        far_{name} = np.uint8(0)")
+        updates.append(f"            far_{name} |= np.uint8({bit} & (y[i] >= {split}))")
+        passes.append(_NUMBA_FAR_PASS.format(name=name, bit=bit, split=split))
+    return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_TWO_BRANCHES.format(
+        piece_jits="\n".join(jits), left_near=near["left"], right_near=near["right"],
+        flag_init="\n".join(inits), flag_update="\n".join(updates), far_passes="\n".join(passes),
+    )  # fmt: skip
 
 
 CPU_MATH = ROOT / "invact" / "_cpu_math.py"  # what the numba view calls: a source of every file using it
@@ -224,7 +329,9 @@ def cpu_math_source() -> tuple[str, str]:
 
 def _numba_view(c: CoeffFile) -> str:
     """The scalar functions, then the backward kernel compiled from them."""
-    return f"{_functions(c, ScalarPrinter(), '_scalar')}{_numba_kernel(c)}"
+    pieces = "" if c.monotone else _numba_pieces(c)[0]
+    pieces = f"\n\n{pieces}" if pieces else ""
+    return f"{_functions(c, ScalarPrinter(), '_scalar')}{pieces}{_numba_kernel(c)}"
 
 
 def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:

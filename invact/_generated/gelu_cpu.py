@@ -30,6 +30,41 @@ def q_right_scalar(y):
     return (t1*(t1*(t1*(t1*(t1*(F(0.005520989496811792)*t0 + F(-0.0017068487077941277)) + F(0.01570880730473226)) + F(-0.11702539063061156)) + F(-0.12839020170098842)) + F(0.6712316242650924)) + F(0.665178426909513) if (y < F(1.0)) else (t3*(t3*(t3*(t3*(t3*(t3*(t3*(-F(0.30268670644374684)*t2 + F(-0.19260223230085977)) + F(-0.7401030750831294)) + F(0.12461092887161591)) + F(0.4395636062228939)) + F(-0.08431654301954425)) + F(0.06975746244154983)) + F(1.1041982301232487)) + F(1.0382331783967707))*exp32(-F(0.5)*(t4*t4)) + F(1.0))
 
 
+LEFT_SPLIT = F(-0.0424928)  # q_left's near piece below, far from it
+
+
+def q_left_near_scalar(y):
+    """q_left_scalar's near piece (y < LEFT_SPLIT)."""
+    t0 = math.sqrt(max(F(5.264809199712062e-09), y + F(0.16997121274471283)) + F(-5.264809199712062e-09))
+    t1 = F(5.60159757562857)*t0 + F(-1.0)
+    return t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(F(0.002392870088704306)*t0 + F(0.0001751917373958991)) + F(-3.403308386143487e-05)) + F(0.0002485042783678386)) + F(0.0017052900360217033)) + F(0.0040520071953157495)) + F(0.01605247589512766)) + F(0.07236449117388236)) + F(-0.05881886617124793)) + F(-0.11793615060373126)
+
+
+def q_left_far_scalar(y):
+    """q_left_scalar's far piece (y >= LEFT_SPLIT)."""
+    t0 = min(F(4.22819), math.sqrt(-log32(max(F(1.1754943508222875e-38), -y))))
+    t1 = F(0.8159934720522237)*t0 + F(-2.4501754385964913)
+    return y*(t1*(t1*(t1*(t1*(F(0.3605244076384107)*t0 + F(-0.14753890290492155)) + F(0.8830391417976214)) + F(0.23350821929063487)) + F(1.914971333234284)) + F(3.9854370551675955))
+
+
+RIGHT_SPLIT = F(1.0)  # q_right's near piece below, far from it
+
+
+def q_right_near_scalar(y):
+    """q_right_scalar's near piece (y < RIGHT_SPLIT)."""
+    t0 = math.sqrt(max(F(5.264809199712062e-09), y + F(0.16997121274471283)) + F(-5.264809199712062e-09))
+    t1 = F(1.84902694956779)*t0 + F(-1.0)
+    return t1*(t1*(t1*(t1*(t1*(F(0.005520989496811792)*t0 + F(-0.0017068487077941277)) + F(0.01570880730473226)) + F(-0.11702539063061156)) + F(-0.12839020170098842)) + F(0.6712316242650924)) + F(0.665178426909513)
+
+
+def q_right_far_scalar(y):
+    """q_right_scalar's far piece (y >= RIGHT_SPLIT)."""
+    t0 = min(F(2.44724), math.sqrt(max(F(5.264809199712062e-09), y + F(0.16997121274471283)) + F(-5.264809199712062e-09)))
+    t1 = F(1.4645684282983913)*t0 + F(-2.584150440468955)
+    t2 = max(F(-0.16997120747990363), y)
+    return (t1*(t1*(t1*(t1*(t1*(t1*(t1*(-F(0.30268670644374684)*t0 + F(-0.19260223230085977)) + F(-0.7401030750831294)) + F(0.12461092887161591)) + F(0.4395636062228939)) + F(-0.08431654301954425)) + F(0.06975746244154983)) + F(1.1041982301232487)) + F(1.0382331783967707))*exp32(-F(0.5)*(t2*t2)) + F(1.0)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -39,15 +74,57 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
+_q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
+_q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
+_q_right_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_far_scalar)
+# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones). A branch's far piece runs
+# only in blocks holding an element beyond its split; with splits chosen for this (the floor family's
+# block cost), few blocks have one, and the rest evaluate the near pieces alone.
+_BLOCK = 16
+_SPAN = 2**16  # elements per call of _backward_span: a whole number of blocks (256 KB of y)
 
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
-    """dx = dy * q(y, bit): q_left where flags[i] & 1, else q_right; NaN where y is +-inf or NaN."""
-    for i in numba.prange(y.size):
-        # Both branches, every piece of each, then a select: branch-free, so it vectorizes. Not the
-        # left branch's cheap first piece alone with the elements beyond it redone in a scalar pass:
-        # for gelu those are 2% of N(0, 1) inputs (x < -2.05), so nearly every block had some.
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) on one thread's span: q_left where flags[i] & 1, else q_right; NaN where y
+    is +-inf or NaN. Block by block: each element's near piece, then each far piece that some element
+    of the block needs; the last partial block evaluates every piece. Branch-free within a pass, so
+    each pass vectorizes."""
+    full = y.size - y.size % _BLOCK
+    for lo in range(0, full, _BLOCK):
+        far_left = np.uint8(0)
+        far_right = np.uint8(0)
+        for j in range(_BLOCK):
+            i = lo + j
+            left = flags[i] & 1
+            q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+            far_left |= np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT))
+            far_right |= np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
+            dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+        if far_left:
+            for j in range(_BLOCK):
+                i = lo + j
+                beyond = (flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT) & (abs(y[i]) < _INF)
+                q = _q_left_far(y[i])
+                dx[i] = dy[i] * q if beyond else dx[i]
+        if far_right:
+            for j in range(_BLOCK):
+                i = lo + j
+                beyond = (flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT) & (abs(y[i]) < _INF)
+                q = _q_right_far(y[i])
+                dx[i] = dy[i] * q if beyond else dx[i]
+    for i in range(full, y.size):
         a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
-        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)
+
+
+@numba.njit(parallel=True, cache=True)
+def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) (see _backward_span), span by span of _SPAN elements across the threads. A
+    prange over blocks would put the block loops in numba's parallel body, which it compiled 4x slower
+    (measured); each span a call of the serial function keeps them as fast as a serial loop."""
+    for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
+        _backward_span(y[lo:hi], flags[lo:hi], dy[lo:hi], dx[lo:hi])

@@ -36,9 +36,7 @@ _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_sca
 def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
     """dx = dy * q(y, bit): q_left where flags[i] & 1, else q_right; NaN where y is +-inf or NaN."""
     for i in numba.prange(y.size):
-        # Both branches, every piece of each, then a select: branch-free, so it vectorizes. Not the
-        # left branch's cheap first piece alone with the elements beyond it redone in a scalar pass:
-        # for gelu those are 2% of N(0, 1) inputs (x < -2.05), so nearly every block had some.
+        # Both branches, every piece of each, then a select: branch-free, so it vectorizes.
         a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch

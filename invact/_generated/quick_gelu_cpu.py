@@ -28,6 +28,39 @@ def q_right_scalar(y):
     return (t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(F(0.006291912205426634) - F(0.008279116569983815)*t0) + F(0.03548023302781002)) + F(0.027501653261801925)) + F(-0.05762863532813508)) + F(-0.14051306237545805)) + F(-0.035076457462532136)) + F(0.4899683453358153)) + F(0.04985790929421253)) + F(-0.8778572575857931)) + F(0.5267330944201845)) + F(1.013976685699779) if (y < F(3.0)) else ((F(0.9425123707208335)*t2 + F(4.2783488446342615))*(F(1.2596996875944775)*t2 + F(-3.2405648493399175)) + F(9.915611532795186))*exp32(-F(1.702)*max(F(-0.16361018963635354), y)) + F(1.0))
 
 
+LEFT_SPLIT = F(-0.0409025)  # q_left's near piece below, far from it
+
+
+def q_left_near_scalar(y):
+    """q_left_scalar's near piece (y < LEFT_SPLIT)."""
+    t0 = math.sqrt(max(F(5.16768405844914e-10), y + F(0.16361019015312195)) + F(-5.16768405844914e-10))
+    t1 = F(5.7094408459107555)*t0 + F(-1.0)
+    return t1*(t1*(t1*(t1*(t1*(F(0.0010252804784707961)*t0 + F(2.470349868196955e-05)) + F(-0.00018653767038175458)) + F(0.0075071982693560866)) + F(0.07039331031111329)) + F(-0.03331657316382081)) + F(-0.09598959902577386)
+
+
+def q_left_far_scalar(y):
+    """q_left_scalar's far piece (y >= LEFT_SPLIT)."""
+    t0 = min(F(4.07379), math.sqrt(-log32(max(F(1.1754943508222875e-38), -y))))
+    t1 = F(0.874928912025898)*t0 + F(-2.5642766525219827)
+    return y*(t1*(t1*(t1*(t1*(F(0.28612322473479873)*t0 + F(-0.24072061582373375)) + F(0.500853812629205)) + F(0.062246524165543715)) + F(0.11289934237157614)) + F(1.5325834635363311))
+
+
+RIGHT_SPLIT = F(3.0)  # q_right's near piece below, far from it
+
+
+def q_right_near_scalar(y):
+    """q_right_scalar's near piece (y < RIGHT_SPLIT)."""
+    t0 = math.sqrt(max(F(5.16768405844914e-10), y + F(0.16361019015312195)) + F(-5.16768405844914e-10))
+    t1 = F(1.1244483175442048)*t0 + F(-1.0)
+    return t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(F(0.006291912205426634) - F(0.008279116569983815)*t0) + F(0.03548023302781002)) + F(0.027501653261801925)) + F(-0.05762863532813508)) + F(-0.14051306237545805)) + F(-0.035076457462532136)) + F(0.4899683453358153)) + F(0.04985790929421253)) + F(-0.8778572575857931)) + F(0.5267330944201845)) + F(1.013976685699779)
+
+
+def q_right_far_scalar(y):
+    """q_right_scalar's far piece (y >= RIGHT_SPLIT)."""
+    t0 = min(F(3.36633), math.sqrt(max(F(5.16768405844914e-10), y + F(0.16361019015312195)) + F(-5.16768405844914e-10)))
+    return ((F(0.9425123707208335)*t0 + F(4.2783488446342615))*(F(1.2596996875944775)*t0 + F(-3.2405648493399175)) + F(9.915611532795186))*exp32(-F(1.702)*max(F(-0.16361018963635354), y)) + F(1.0)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -37,15 +70,57 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
+_q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
+_q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
+_q_right_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_far_scalar)
+# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones). A branch's far piece runs
+# only in blocks holding an element beyond its split; with splits chosen for this (the floor family's
+# block cost), few blocks have one, and the rest evaluate the near pieces alone.
+_BLOCK = 16
+_SPAN = 2**16  # elements per call of _backward_span: a whole number of blocks (256 KB of y)
 
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
-    """dx = dy * q(y, bit): q_left where flags[i] & 1, else q_right; NaN where y is +-inf or NaN."""
-    for i in numba.prange(y.size):
-        # Both branches, every piece of each, then a select: branch-free, so it vectorizes. Not the
-        # left branch's cheap first piece alone with the elements beyond it redone in a scalar pass:
-        # for gelu those are 2% of N(0, 1) inputs (x < -2.05), so nearly every block had some.
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) on one thread's span: q_left where flags[i] & 1, else q_right; NaN where y
+    is +-inf or NaN. Block by block: each element's near piece, then each far piece that some element
+    of the block needs; the last partial block evaluates every piece. Branch-free within a pass, so
+    each pass vectorizes."""
+    full = y.size - y.size % _BLOCK
+    for lo in range(0, full, _BLOCK):
+        far_left = np.uint8(0)
+        far_right = np.uint8(0)
+        for j in range(_BLOCK):
+            i = lo + j
+            left = flags[i] & 1
+            q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+            far_left |= np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT))
+            far_right |= np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
+            dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+        if far_left:
+            for j in range(_BLOCK):
+                i = lo + j
+                beyond = (flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT) & (abs(y[i]) < _INF)
+                q = _q_left_far(y[i])
+                dx[i] = dy[i] * q if beyond else dx[i]
+        if far_right:
+            for j in range(_BLOCK):
+                i = lo + j
+                beyond = (flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT) & (abs(y[i]) < _INF)
+                q = _q_right_far(y[i])
+                dx[i] = dy[i] * q if beyond else dx[i]
+    for i in range(full, y.size):
         a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
-        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)
+
+
+@numba.njit(parallel=True, cache=True)
+def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) (see _backward_span), span by span of _SPAN elements across the threads. A
+    prange over blocks would put the block loops in numba's parallel body, which it compiled 4x slower
+    (measured); each span a call of the serial function keeps them as fast as a serial loop."""
+    for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
+        _backward_span(y[lo:hi], flags[lo:hi], dy[lo:hi], dx[lo:hi])

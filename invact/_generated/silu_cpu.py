@@ -29,6 +29,40 @@ def q_right_scalar(y):
     return (t1*(t1*(t1*(t1*(t1*(F(0.0036340504029642373) - F(0.0003240232411429527)*t0) + F(0.01624500667262411)) + F(-0.09397134794692819)) + F(-0.05560604296439042)) + F(0.5905212015913104)) + F(0.5395437208284141) if (y < F(1.0)) else (t3*(t3*(t3*(t3*(t3*(t3*(t3*(t3*(F(3.1514776704475125)*t2 + F(13.100024141225234)) + F(31.84502035114733)) + F(14.056116116598254)) + F(-5.568059803092881)) + F(-3.695439883897341)) + F(-0.03644896928034384)) + F(2.15642922256258)) + F(9.253311418251194)) + F(6.313349719797204))*exp32(-max(F(-0.27846454276107385), y)) + F(1.0))
 
 
+LEFT_SPLIT = F(-0.0696161)  # q_left's near piece below, far from it
+
+
+def q_left_near_scalar(y):
+    """q_left_scalar's near piece (y < LEFT_SPLIT)."""
+    t0 = math.sqrt(max(F(1.297928259313963e-08), y + F(0.27846455574035645)) + F(-1.297928259313963e-08))
+    t1 = F(4.3763771911973555)*t0 + F(-1.0)
+    return t1*(t1*(t1*(t1*(t1*(F(0.0007858895442920126)*t0 + F(2.4610672869437573e-05)) + F(-0.00018659987112947104)) + F(0.0075072601256381665)) + F(0.07039302124697984)) + F(-0.03331682716430126)) + F(-0.09598953626038431)
+
+
+def q_left_far_scalar(y):
+    """q_left_scalar's far piece (y >= LEFT_SPLIT)."""
+    t0 = min(F(4.00799), math.sqrt(-log32(max(F(1.1754943508222875e-38), -y))))
+    t1 = F(0.8418996623982353)*t0 + F(-2.3743254278955033)
+    return y*(t1*(t1*(t1*(t1*(F(0.1202384508922053)*t0 + F(-0.09954225430881261)) + F(0.19806778630347713)) + F(0.0030175238276578934)) + F(0.06653516185083654)) + F(0.9003885182971343))
+
+
+RIGHT_SPLIT = F(1.0)  # q_right's near piece below, far from it
+
+
+def q_right_near_scalar(y):
+    """q_right_scalar's near piece (y < RIGHT_SPLIT)."""
+    t0 = math.sqrt(max(F(1.297928259313963e-08), y + F(0.27846455574035645)) + F(-1.297928259313963e-08))
+    t1 = F(1.7688314215213718)*t0 + F(-1.0)
+    return t1*(t1*(t1*(t1*(t1*(F(0.0036340504029642373) - F(0.0003240232411429527)*t0) + F(0.01624500667262411)) + F(-0.09397134794692819)) + F(-0.05560604296439042)) + F(0.5905212015913104)) + F(0.5395437208284141)
+
+
+def q_right_far_scalar(y):
+    """q_right_scalar's far piece (y >= RIGHT_SPLIT)."""
+    t0 = min(F(4.39174), math.sqrt(max(F(1.297928259313963e-08), y + F(0.27846455574035645)) + F(-1.297928259313963e-08)))
+    t1 = F(0.6132993974333419)*t0 + F(-1.6934514956839055)
+    return (t1*(t1*(t1*(t1*(t1*(t1*(t1*(t1*(F(3.1514776704475125)*t0 + F(13.100024141225234)) + F(31.84502035114733)) + F(14.056116116598254)) + F(-5.568059803092881)) + F(-3.695439883897341)) + F(-0.03644896928034384)) + F(2.15642922256258)) + F(9.253311418251194)) + F(6.313349719797204))*exp32(-max(F(-0.27846454276107385), y)) + F(1.0)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -38,15 +72,57 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
+_q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
+_q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
+_q_right_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_far_scalar)
+# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones). A branch's far piece runs
+# only in blocks holding an element beyond its split; with splits chosen for this (the floor family's
+# block cost), few blocks have one, and the rest evaluate the near pieces alone.
+_BLOCK = 16
+_SPAN = 2**16  # elements per call of _backward_span: a whole number of blocks (256 KB of y)
 
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
-    """dx = dy * q(y, bit): q_left where flags[i] & 1, else q_right; NaN where y is +-inf or NaN."""
-    for i in numba.prange(y.size):
-        # Both branches, every piece of each, then a select: branch-free, so it vectorizes. Not the
-        # left branch's cheap first piece alone with the elements beyond it redone in a scalar pass:
-        # for gelu those are 2% of N(0, 1) inputs (x < -2.05), so nearly every block had some.
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) on one thread's span: q_left where flags[i] & 1, else q_right; NaN where y
+    is +-inf or NaN. Block by block: each element's near piece, then each far piece that some element
+    of the block needs; the last partial block evaluates every piece. Branch-free within a pass, so
+    each pass vectorizes."""
+    full = y.size - y.size % _BLOCK
+    for lo in range(0, full, _BLOCK):
+        far_left = np.uint8(0)
+        far_right = np.uint8(0)
+        for j in range(_BLOCK):
+            i = lo + j
+            left = flags[i] & 1
+            q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+            far_left |= np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT))
+            far_right |= np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
+            dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+        if far_left:
+            for j in range(_BLOCK):
+                i = lo + j
+                beyond = (flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT) & (abs(y[i]) < _INF)
+                q = _q_left_far(y[i])
+                dx[i] = dy[i] * q if beyond else dx[i]
+        if far_right:
+            for j in range(_BLOCK):
+                i = lo + j
+                beyond = (flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT) & (abs(y[i]) < _INF)
+                q = _q_right_far(y[i])
+                dx[i] = dy[i] * q if beyond else dx[i]
+    for i in range(full, y.size):
         a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
-        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)
+
+
+@numba.njit(parallel=True, cache=True)
+def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y, bit) (see _backward_span), span by span of _SPAN elements across the threads. A
+    prange over blocks would put the block loops in numba's parallel body, which it compiled 4x slower
+    (measured); each span a call of the serial function keeps them as fast as a serial loop."""
+    for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
+        _backward_span(y[lo:hi], flags[lo:hi], dy[lo:hi], dx[lo:hi])

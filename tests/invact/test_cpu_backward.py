@@ -1,0 +1,56 @@
+"""The numba backward kernel's block skipping (invact/_generated/<act>_cpu.py, _backward_span): each
+element gets its own branch's piece whichever block and span it lies in, whether the far pieces run
+in its block or not, and in the partial block at the end."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from invact import _bits, _portable  # noqa: E402
+from invact.activations import ACTIVATIONS  # noqa: E402
+
+# The activations whose kernel skips far pieces: the floor family's two-branch forms (codegen prints
+# _backward_span where a branch's far piece alone calls exp or log).
+SKIPPING = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone and hasattr(a.cpu, "_backward_span"))
+# Two fp32 evaluations of one formula, each within 1e-6 of it (tests/codegen/test_generated_precision.py).
+FP32_TWO_EVALUATIONS = 2e-6
+FAR_X = 6.0  # beyond every split: y -> 0- on the left branch, y = x past the largest right split (4)
+
+
+def _span(name: str) -> tuple[int, int]:
+    module = ACTIVATIONS[name].cpu
+    return module._BLOCK, module._SPAN
+
+
+def _inputs(name: str, n: int) -> torch.Tensor:
+    """x next to the threshold (near pieces), with far elements of each branch, NaN and inf placed in
+    chosen blocks: alone in a block, both in one, at span boundaries and in the last partial block."""
+    act = ACTIVATIONS[name]
+    block, span = _span(name)
+    x = act.threshold + (torch.rand(n, generator=torch.Generator().manual_seed(n)) - 0.5) * 0.4
+    marks = {0: -FAR_X, block + 3: FAR_X, 2 * block: -FAR_X, 2 * block + 1: FAR_X, 4 * block + 5: math.nan,
+             5 * block: math.inf, span - 1: -FAR_X, span: FAR_X, n - 1: FAR_X, n - 2: -FAR_X}  # fmt: skip
+    for position, value in marks.items():
+        if position < n:
+            x[position] = value
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100, "two spans and a partial block"])
+@pytest.mark.parametrize("name", SKIPPING)
+def test_every_element_gets_its_piece(name, n):
+    block, span = _span(name)
+    n = 2 * span + block + 5 if isinstance(n, str) else n
+    act = ACTIVATIONS[name]
+    x = _inputs(name, n)
+    y, dy = act.torch_forward(x), torch.randn(n, generator=torch.Generator().manual_seed(0))
+    left = _bits.is_left(x, act.threshold)
+    dx = torch.empty(n)
+    act.cpu.backward_kernel(y.numpy(), left.to(torch.uint8).numpy(), dy.numpy(), dx.numpy())
+    want = _portable.backward(act, y, _bits.pack(left), dy, False)
+    assert torch.equal(dx.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert (dx[finite] - want[finite]).abs().max() <= FP32_TWO_EVALUATIONS * dy.abs().max()
