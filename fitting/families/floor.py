@@ -18,15 +18,18 @@ q = A(y) + B(y) * P(z), P a Horner polynomial in z in [-1, 1] with monomial coef
 
 fp32 details: y - y_min is computed as max(y - y_hi, y_lo) - y_lo with y_hi = fp32(y_min) and
 y_lo = y_min - y_hi. Near the cusp y - y_hi is exact (Sterbenz), so s is right to fp32 rounding at the
-lattice points next to y_min, where one fp32 y_min would cost up to ~1e-4 in q. Pieces are short and
-of low degree, so their monomial coefficients stay small and Horner loses little in fp32 (tested
-against the generated torch code evaluated in fp32).
+lattice points next to y_min, where one fp32 y_min would cost up to ~1e-4 in q. Each piece's variable
+is mapped to [-1, 1], so its monomial coefficients stay small (at most 22 for the built-ins, at
+degrees up to 14) and Horner loses little in fp32 (tested against the generated torch code evaluated
+in fp32).
 
 A monotone activation bounded on both sides has one branch of two pieces, one per end (monotone_form).
 
 Splits and degrees are chosen per activation: each piece gets the smallest degree whose Chebyshev
-least-squares start is within GOAL/2 on the metric grid, and the split with the fewest flops wins.
-The pipeline then refines all coefficients to minimax. The forms use f and f' only, so derived
+least-squares start is within GOAL/2 on the metric grid, and of the splits whose pieces all reach
+that, the one with the lowest block cost wins (block_cost: what the CPU kernel, which runs a far
+piece only in blocks of 16 elements that need it, spends per element for N(0, 1) inputs). The
+pipeline then refines all coefficients to minimax. The forms use f and f' only, so derived
 activations (quick_gelu) get their own fit (`native=True`).
 """
 
@@ -38,19 +41,20 @@ from dataclasses import dataclass
 import numpy as np
 import sympy
 from numpy.polynomial import chebyshev
+from scipy import special
 from sympy import Max, Min, Piecewise, exp, log, sqrt
 
 from codegen.safe_expr import parse
 from fitting.activations import SHAPE_GRID, Activation
 from fitting.evaluate import metric_x_grid
 from fitting.families import BranchForm, Family, UnknownFamily, Y, coefficient_symbols, register
-from fitting.targets import Branch, target
+from fitting.targets import Branch, invert, target
 
 GOAL = 1e-5
-MAX_DEGREE = 12
+MAX_DEGREE = 16
 CUT = 1e-7  # past the caps, q is within CUT of its limit (0 or 1)
-LEFT_SPLITS = (0.1, 0.25, 0.5)  # candidate splits, as fractions of y_min
-RIGHT_SPLITS = (0.5, 1.0, 2.0, 3.0)  # candidate splits, in y
+LEFT_SPLITS = (0.05, 0.1, 0.25, 0.5)  # candidate splits, as fractions of y_min
+RIGHT_SPLITS = (0.5, 1.0, 2.0, 3.0, 4.0)  # candidate splits, in y
 FP32_TINY = float(np.finfo(np.float32).tiny)
 
 Numeric = np.ndarray
@@ -137,20 +141,65 @@ def _last_y_beyond(y: Numeric, excess: Numeric) -> float:
     return _rounded(y[np.flatnonzero(excess > CUT).max()])
 
 
-def _two_pieces(y: Numeric, t: Numeric, split: float, near: Piece, far: Piece) -> tuple[BranchForm, int]:
-    """Piecewise((near, y < split), (far, True)) with fitted starts, and its total degree."""
+# The CPU kernel's cost model (invact/_generated/<act>_cpu.py, _backward_span): every element pays
+# its branch's near piece; a block of BLOCK elements pays a far piece when one of them lies beyond the
+# split. Costs are in Horner steps (one fused multiply-add over a vector). The far piece's own
+# transform, exp or log (~25 steps each in invact/_cpu_math.py) plus a sqrt and its pass over the
+# block, counts FAR_STEPS more: measured on a 2-core AMD EPYC (AVX-512), in-cache per element, a log
+# cost 3.6x and an exp 2.8x a degree-8 Horner polynomial.
+BLOCK = 16
+FAR_STEPS = 30
+
+
+@dataclass(frozen=True)
+class Split:
+    """A branch's two fitted pieces: the form, each start's degree and max error, and the share of
+    N(0, 1) inputs x that land on the far piece."""
+
+    form: BranchForm
+    degrees: tuple[int, int]
+    errors: tuple[float, float]
+    far_share: float
+
+    @property
+    def cost(self) -> float:
+        """Horner steps per element (see BLOCK): the near piece, and the far one in its blocks."""
+        far_blocks = 1.0 - (1.0 - self.far_share) ** BLOCK
+        return self.degrees[0] + far_blocks * (self.degrees[1] + FAR_STEPS)
+
+    @property
+    def reaches_goal(self) -> bool:
+        return max(self.errors) <= GOAL / 2
+
+
+def best_split(splits: list[Split]) -> Split:
+    """The cheapest split (block cost) of those whose starts reach GOAL/2; of all if none does."""
+    return min([s for s in splits if s.reaches_goal] or splits, key=lambda s: s.cost)
+
+
+def _far_share(act: Activation, branch: Branch, split: float) -> float:
+    """P(x lands on the branch's far piece, y >= split) for x ~ N(0, 1): x below f_b^-1(split) on the
+    left branch, above it on the right."""
+    x = float(invert(act, np.array([split]), branch)[0])
+    return float(special.ndtr(x) if branch == "left" else special.ndtr(-x))
+
+
+def _two_pieces(act: Activation, branch: Branch, y: Numeric, t: Numeric, split: float, near: Piece, far: Piece
+                ) -> Split:  # fmt: skip
+    """Piecewise((near, y < split), (far, True)) with fitted starts."""
     inside = y < split
-    c_near, _ = near.start(y[inside], t[inside])
-    c_far, _ = far.start(y[~inside], t[~inside])
+    c_near, e_near = near.start(y[inside], t[inside])
+    c_far, e_far = far.start(y[~inside], t[~inside])
     c = coefficient_symbols(len(c_near) + len(c_far))
     expression = Piecewise(
         (near.expression(c[: len(c_near)]), Y < _f(split)), (far.expression(c[len(c_near) :]), True)
     )
     start = {f"c{i}": v for i, v in enumerate(c_near + c_far)}
-    return BranchForm(expression, start), len(start)
+    share = _far_share(act, branch, split) if branch in ("left", "right") else 0.0
+    return Split(BranchForm(expression, start), (len(c_near) - 1, len(c_far) - 1), (e_near, e_far), share)
 
 
-def left_form(act: Activation, split_fraction: float) -> tuple[BranchForm, int]:
+def left_form(act: Activation, split_fraction: float) -> Split:
     y, t = _samples(act, "left")
     if not (act.y_min < 0 and y[-1] < 0 and abs(t[-1]) < _DECAY_TAIL):  # the far piece is y P(w)
         shape = f"{act.name} has f = {y[-1]:.4g}, f' = {t[-1]:.4g} at x = -20"
@@ -162,7 +211,7 @@ def left_form(act: Activation, split_fraction: float) -> tuple[BranchForm, int]:
     w = sqrt(-log(Max(-Y, _f(FP32_TINY))))
     near = Piece(sympy.S.Zero, sympy.S.One, _s(act), 0.0, _rounded(np.sqrt(split - act.y_min)))
     far = Piece(sympy.S.Zero, Y, Min(w, _f(w_cap)), _rounded(np.sqrt(-np.log(-split))), w_cap)
-    return _two_pieces(y, t, split, near, far)
+    return _two_pieces(act, "left", y, t, split, near, far)
 
 
 _DECAY_TAIL = 1e-3  # estimate_decay fits k where CUT < |q - 1| < this: the tail, past f' - 1's sign changes
@@ -188,7 +237,7 @@ def _limit_is_one(act: Activation, y: Numeric, t: Numeric) -> None:
                             f"{act.name}'s f' is {t[-1]:.4g} at x = 20")  # fmt: skip
 
 
-def right_form(act: Activation, split: float) -> tuple[BranchForm, int]:
+def right_form(act: Activation, split: float) -> Split:
     y, t = _samples(act, "right")
     _limit_is_one(act, y, t)
     if act.right_decay is None:
@@ -200,7 +249,7 @@ def right_form(act: Activation, split: float) -> tuple[BranchForm, int]:
     s_split = _rounded(np.sqrt(split - act.y_min))
     near = Piece(sympy.S.Zero, sympy.S.One, _s(act), 0.0, s_split)
     far = Piece(sympy.S.One, exp(-decay), Min(_s(act), _f(s_cap)), s_split, s_cap)
-    return _two_pieces(y, t, split, near, far)
+    return _two_pieces(act, "right", y, t, split, near, far)
 
 
 # A monotone activation bounded on both sides (CDF- or sigmoid-shaped: laplace): q -> 0 at both ends.
@@ -221,7 +270,7 @@ def _tail_piece(distance: sympy.Expr, scale: float, d: Numeric, t: Numeric) -> P
     return Piece(sympy.S.Zero, distance, Min(w, _f(cap)), _rounded(np.sqrt(np.log(2.0))), cap)
 
 
-def monotone_form(act: Activation) -> tuple[BranchForm, int]:
+def monotone_form(act: Activation) -> Split:
     y, t = _samples(act, "right")
     with np.errstate(all="ignore"):
         y_max, slope_end = float(act.f(np.float64(_FAR_X))), float(act.df(np.float64(SHAPE_GRID[-1])))
@@ -238,22 +287,21 @@ def monotone_form(act: Activation) -> tuple[BranchForm, int]:
     below = y < split
     low = _tail_piece(u, 2 * (split - act.y_min), y[below] - act.y_min, t[below])
     high = _tail_piece(v, 2 * (y_max - split), y_max - y[~below], t[~below])
-    return _two_pieces(y, t, split, low, high)
+    return _two_pieces(act, "monotone", y, t, split, low, high)
 
 
 @register("floor", native=True, monotone=True)
 def floor(act: Activation) -> Family:
     if act.monotone:
-        form, _ = monotone_form(act)
-        return Family("floor", act.name, {"right": form}, published=False,
+        return Family("floor", act.name, {"right": monotone_form(act).form}, published=False,
                       source="invact 'floor' family, monotone: u P(sqrt(-log u)) toward each end, u the "
                       "distance from y_min or y_max (fitting/families/floor.py)")  # fmt: skip
-    left = min((left_form(act, f) for f in LEFT_SPLITS), key=lambda form_size: form_size[1])
-    right = min((right_form(act, s) for s in RIGHT_SPLITS), key=lambda form_size: form_size[1])
+    left = best_split([left_form(act, f) for f in LEFT_SPLITS])
+    right = best_split([right_form(act, s) for s in RIGHT_SPLITS])
     return Family(
         "floor",
         act.name,
-        {"left": left[0], "right": right[0]},
+        {"left": left.form, "right": right.form},
         published=False,
         source="invact 'floor' family: piecewise Horner polynomials in sqrt(y - y_min), sqrt(-log(-y)), "
         "times the activation's own right-tail decay (fitting/families/floor.py)",

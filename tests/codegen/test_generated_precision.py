@@ -14,7 +14,8 @@ from fitting.activations import ACTIVATIONS, get_activation
 from fitting.evaluate import FORMATS, dtype_eval_points
 from fitting.targets import target
 
-# Measured worst excess over the float64 error: 7.4e-7 (silu right, y = 1), where |q| <= 1.13. Rounding
+# Measured worst excess over the float64 error: 4.9e-7 of max(|q|, 1) (laplace, y = 0.49, |q| = 1.41); of
+# the two-branch activations 1.7e-7 (gelu right, y = 2.92, in its degree-14 near piece). Rounding
 # is relative, so where q grows past 1 (relu2's 2 sqrt(y) reaches 40) the bound is this times |q|.
 FP32_EVALUATION = 1e-6
 PAIRS = [(name, branch) for name in sorted(ACTIVATIONS) for branch in ACTIVATIONS[name].branches]

@@ -95,7 +95,7 @@ def test_floor_estimates_the_right_decay_where_none_is_given():
 
     act = get_activation("silu")
     bare = Activation("bare", act.f, act.df)  # no right_decay: a user-defined activation's case
-    form, _ = right_form(bare, 1.0)
+    form = right_form(bare, 1.0).form
     y, t = _samples(bare, "right")
     q = compile_q(form.substituted(form.start))
     # Each piece's start is within GOAL/2 of the target on the metric grid (floor.Piece.start); with
@@ -141,7 +141,7 @@ def test_floor_fits_bounded_monotone_activations(expr, q_of_y):
 
     f = formula(expr, "test")
     act = Activation("bounded", numpy_function(f), numpy_function(f.diff(spec.X)), monotone=True)
-    form, _ = monotone_form(act)
+    form = monotone_form(act).form
     y = act.f(np.linspace(-20, 20, 20001))
     y = y[(y > 0) & (y < 1)]
     q = compile_q(form.substituted(form.start))
