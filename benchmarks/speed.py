@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -199,11 +200,13 @@ def first_call_seconds(device: str) -> dict:
 
 
 def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
-    """Per activation of the bare rows: the numba backward kernel alone (bits mode, fp32, `elements`)
+    """Per activation of the bare rows: InvAct's CPU backward (bits mode, fp32, `elements`: unpacking
+    the bits, allocating dx, the numba kernel) and the kernel alone (flags unpacked once, dx given),
     against a torch pass moving the same bytes but the bits: torch.mul(y, dy, out=dx), which reads two
-    fp32 tensors and writes one, as the backward does (plus n/8 bytes of bits). Interleaved, medians;
-    also torch's own backward op (aten's <act>_backward, or autograd's for a composition)."""
-    from invact import _numba
+    fp32 tensors and writes one, as the kernel does (plus n/8 bytes of bits, or n flag bytes for the
+    kernel alone). Interleaved; ratios are medians of per-round ratios. Also torch's own backward op
+    (aten's <act>_backward, or autograd's for a composition), which allocates its dx as ours does."""
+    from invact import _bits, _numba
     from invact.activations import ACTIVATIONS
 
     rows = []
@@ -212,11 +215,14 @@ def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
         x = torch.randn(elements, generator=torch.Generator().manual_seed(0))
         dy = torch.randn(elements, generator=torch.Generator().manual_seed(1))
         y, bits = _numba.forward(act, x, False)
-        dx = torch.empty_like(y)
+        dx, kernel_dx = torch.empty_like(y), torch.empty_like(y)
+        flags = () if act.monotone else (_bits.unpack(bits, elements).to(torch.uint8).numpy(),)
+        kernel_args = (y.numpy(), *flags, dy.numpy(), kernel_dx.numpy())
         xg = x.clone().requires_grad_()
         torch_y = make()(xg)
         steps = {
             "backward_ms": lambda act=act, y=y, bits=bits, dy=dy: _numba.backward(act, y, bits, dy, False),
+            "kernel_ms": lambda act=act, args=kernel_args: act.cpu.backward_kernel(*args),
             "same_bytes_ms": lambda y=y, dy=dy, dx=dx: torch.mul(y, dy, out=dx),
             "torch_backward_ms": lambda t=torch_y, x=xg, g=dy: torch.autograd.grad(t, x, g, True),
         }
@@ -230,7 +236,9 @@ def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
                 times[k].append(clock(step))
         row = {"activation": name, "elements": elements, **{k: median_ms(v) for k, v in times.items()}}
         row["bits_bytes"] = (elements + 7) // 8 if not act.monotone else 0
-        row["ratio_to_same_bytes"] = row["backward_ms"] / row["same_bytes_ms"]
+        ms = {k: np.array([t() for t in v]) for k, v in times.items()}
+        row["ratio_to_same_bytes"] = float(np.median(ms["backward_ms"] / ms["same_bytes_ms"]))
+        row["kernel_ratio_to_same_bytes"] = float(np.median(ms["kernel_ms"] / ms["same_bytes_ms"]))
         row["same_bytes_gbps"] = 3 * 4 * elements / row["same_bytes_ms"] / 1e6
         rows.append(row)
     return rows
@@ -315,11 +323,12 @@ def markdown(result: dict) -> str:
     lines.append(f"\nfirst InvAct call in a fresh process: {first['cold']:.2f} s with empty kernel caches, "
                  f"{first['warm']:.2f} s with the caches it left")  # fmt: skip
     if "cpu_backward" in result:
-        lines += ["", "| backward kernel alone | InvAct (ms) | same bytes, torch.mul (ms) | ratio | torch's "
-                  "backward (ms) |", "|---|---|---|---|---|"]  # fmt: skip
+        head = "| CPU backward | same bytes, torch.mul (ms) | kernel alone (ms) | ratio | whole backward (ms)"
+        lines += ["", head + " | ratio | torch's backward (ms) |", "|---|---|---|---|---|---|---|"]
         for r in result["cpu_backward"]:
-            lines.append(f"| {r['activation']} ({r['elements']} fp32) | {r['backward_ms']:.2f} | "
-                         f"{r['same_bytes_ms']:.2f} ({r['same_bytes_gbps']:.0f} GB/s) | "
+            lines.append(f"| {r['activation']} ({r['elements']} fp32) | {r['same_bytes_ms']:.2f} "
+                         f"({r['same_bytes_gbps']:.0f} GB/s) | {r['kernel_ms']:.2f} | "
+                         f"{r['kernel_ratio_to_same_bytes']:.2f}x | {r['backward_ms']:.2f} | "
                          f"{r['ratio_to_same_bytes']:.2f}x | {r['torch_backward_ms']:.2f} |")  # fmt: skip
     if "kernel_bandwidth" in result:
         bw = result["kernel_bandwidth"]

@@ -25,6 +25,7 @@ def test_small_cpu_run(tmp_path):
     assert set(data["first_call_s"]) == {"cold", "warm"} and all(t > 0 for t in data["first_call_s"].values())
     bandwidth = {row["activation"]: row for row in data["cpu_backward"]}
     assert "gelu" in bandwidth and all(row["same_bytes_ms"] > 0 for row in bandwidth.values())
+    assert all(row["kernel_ms"] > 0 and row["kernel_ratio_to_same_bytes"] > 0 for row in bandwidth.values())
 
 
 def test_bad_arguments():
