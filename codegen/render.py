@@ -196,30 +196,39 @@ def backward_kernel(y, dy, dx):  # pragma: no cover - runs compiled
 
 _Q_LEFT_JIT = '_q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)\n'
 _NUMBA_TWO_BRANCHES = '''{piece_jits}
-# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones). A branch's far piece runs
-# only in blocks holding an element beyond its split; with splits chosen for this (the floor family's
-# block cost), few blocks have one, and the rest evaluate the near pieces alone.
+# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones), whose notes (below) are
+# two uint64 words. A branch's far piece runs only in blocks holding an element beyond its split;
+# with splits chosen for this (the floor family's block cost), few blocks have one.
 _BLOCK = 16
 _SPAN = 2**16  # elements per call of _backward_span: a whole number of blocks (256 KB of y)
+_SHIFTS = (np.uint64(32), np.uint64(16), np.uint64(8))
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
 def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     """dx = dy * q(y, bit) on one thread's span: q_left where flags[i] & 1, else q_right; NaN where y
-    is +-inf or NaN. Block by block: each element's near piece, then each far piece that some element
-    of the block needs; the last partial block evaluates every piece. Branch-free within a pass, so
-    each pass vectorizes."""
-    full = y.size - y.size % _BLOCK
-    for lo in range(0, full, _BLOCK):
-{flag_init}
-        for j in range(_BLOCK):
-            i = lo + j
-            left = flags[i] & 1
-            q = {left_near}(y[i]) if left else {right_near}(y[i])
-{flag_update}
-            dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+    is +-inf or NaN. First every element's near piece, in one loop over the span (vectorized, with
+    one aliasing check: a loop per block paid one per block, measured 20% slower), noting which far
+    piece each element needs (bit 0: left, bit 1: right). Then block by block, the far pieces its
+    notes ask for (two words ORed, folded to a byte); the last partial block evaluates every piece."""
+    n = y.size
+    need = np.empty((n + 7) // 8 * 8, dtype=np.uint8)
+    words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
+    for i in range(n):
+        left = flags[i] & 1
+        q = {left_near}(y[i]) if left else {right_near}(y[i])
+        need[i] = {need}
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+    full = n - n % _BLOCK
+    for b in range(full // _BLOCK):
+        m = words[2 * b] | words[2 * b + 1]
+        if m == 0:
+            continue
+        for shift in _SHIFTS:
+            m |= m >> shift
+        lo = b * _BLOCK
 {far_passes}
-    for i in range(full, y.size):
+    for i in range(full, n):
         a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)
@@ -247,7 +256,7 @@ def backward_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
 '''
 
-_NUMBA_FAR_PASS = """        if far_{name}:
+_NUMBA_FAR_PASS = """        if m & np.uint64({note}):
             for j in range(_BLOCK):
                 i = lo + j
                 beyond = {bit} & (y[i] >= {split}) & (abs(y[i]) < _INF)
@@ -255,6 +264,7 @@ _NUMBA_FAR_PASS = """        if far_{name}:
                 dx[i] = dy[i] * q if beyond else dx[i]"""
 
 _BRANCH_BIT = {"left": "(flags[i] & 1 == 1)", "right": "(flags[i] & 1 == 0)"}
+_NOTE = {"left": 1, "right": 2}  # the bit of an element's note (need[i]) that asks for a branch's far piece
 
 
 def _split(expression: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr] | None:
@@ -299,7 +309,7 @@ def _numba_kernel(c: CoeffFile) -> str:
     _, has_split = _numba_pieces(c)
     if not any(has_split.values()):
         return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_EVERY_PIECE
-    jits, near, inits, updates, passes = [], {}, [], [], []
+    jits, near, notes, passes = [], {}, [], []
     for name in ("left", "right"):
         if not has_split[name]:
             near[name] = f"_q_{name}"
@@ -308,13 +318,12 @@ def _numba_kernel(c: CoeffFile) -> str:
         for label in ("near", "far"):
             jits.append(f"_q_{name}_{label} = numba.njit(inline=\"always\", fastmath=_FASTMATH, cache=True)"
                         f"(q_{name}_{label}_scalar)")  # fmt: skip
-        bit, split = _BRANCH_BIT[name], f"{name.upper()}_SPLIT"
-        inits.append(f"        far_{name} = np.uint8(0)")
-        updates.append(f"            far_{name} |= np.uint8({bit} & (y[i] >= {split}))")
-        passes.append(_NUMBA_FAR_PASS.format(name=name, bit=bit, split=split))
+        bit, split, note = _BRANCH_BIT[name], f"{name.upper()}_SPLIT", _NOTE[name]
+        notes.append(f"np.uint8({note}) * np.uint8({bit} & (y[i] >= {split}))")
+        passes.append(_NUMBA_FAR_PASS.format(name=name, bit=bit, split=split, note=note))
     return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_TWO_BRANCHES.format(
-        piece_jits="\n".join(jits), left_near=near["left"], right_near=near["right"],
-        flag_init="\n".join(inits), flag_update="\n".join(updates), far_passes="\n".join(passes),
+        piece_jits="\n".join(jits), left_near=near["left"], right_near=near["right"], need=" | ".join(notes),
+        far_passes="\n".join(passes),
     )  # fmt: skip
 
 

@@ -76,43 +76,50 @@ _q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_lef
 _q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
 _q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
 _q_right_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_far_scalar)
-# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones). A branch's far piece runs
-# only in blocks holding an element beyond its split; with splits chosen for this (the floor family's
-# block cost), few blocks have one, and the rest evaluate the near pieces alone.
+# Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones), whose notes (below) are
+# two uint64 words. A branch's far piece runs only in blocks holding an element beyond its split;
+# with splits chosen for this (the floor family's block cost), few blocks have one.
 _BLOCK = 16
 _SPAN = 2**16  # elements per call of _backward_span: a whole number of blocks (256 KB of y)
+_SHIFTS = (np.uint64(32), np.uint64(16), np.uint64(8))
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
 def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     """dx = dy * q(y, bit) on one thread's span: q_left where flags[i] & 1, else q_right; NaN where y
-    is +-inf or NaN. Block by block: each element's near piece, then each far piece that some element
-    of the block needs; the last partial block evaluates every piece. Branch-free within a pass, so
-    each pass vectorizes."""
-    full = y.size - y.size % _BLOCK
-    for lo in range(0, full, _BLOCK):
-        far_left = np.uint8(0)
-        far_right = np.uint8(0)
-        for j in range(_BLOCK):
-            i = lo + j
-            left = flags[i] & 1
-            q = _q_left_near(y[i]) if left else _q_right_near(y[i])
-            far_left |= np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT))
-            far_right |= np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
-            dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
-        if far_left:
+    is +-inf or NaN. First every element's near piece, in one loop over the span (vectorized, with
+    one aliasing check: a loop per block paid one per block, measured 20% slower), noting which far
+    piece each element needs (bit 0: left, bit 1: right). Then block by block, the far pieces its
+    notes ask for (two words ORed, folded to a byte); the last partial block evaluates every piece."""
+    n = y.size
+    need = np.empty((n + 7) // 8 * 8, dtype=np.uint8)
+    words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
+    for i in range(n):
+        left = flags[i] & 1
+        q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+        need[i] = np.uint8(1) * np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT)) | np.uint8(2) * np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
+        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
+    full = n - n % _BLOCK
+    for b in range(full // _BLOCK):
+        m = words[2 * b] | words[2 * b + 1]
+        if m == 0:
+            continue
+        for shift in _SHIFTS:
+            m |= m >> shift
+        lo = b * _BLOCK
+        if m & np.uint64(1):
             for j in range(_BLOCK):
                 i = lo + j
                 beyond = (flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT) & (abs(y[i]) < _INF)
                 q = _q_left_far(y[i])
                 dx[i] = dy[i] * q if beyond else dx[i]
-        if far_right:
+        if m & np.uint64(2):
             for j in range(_BLOCK):
                 i = lo + j
                 beyond = (flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT) & (abs(y[i]) < _INF)
                 q = _q_right_far(y[i])
                 dx[i] = dy[i] * q if beyond else dx[i]
-    for i in range(full, y.size):
+    for i in range(full, n):
         a, b = _q_left(y[i]), _q_right(y[i])
         q = a if flags[i] & 1 else b
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)
