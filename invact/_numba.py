@@ -70,7 +70,16 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     for start in range(0, n, _BLOCK):  # _BLOCK is a multiple of 8: each block fills whole bytes
         stop = min(start + _BLOCK, n)
         flags, bytes_ = scratch[: stop - start], out_np[start // 8 : (stop + 7) // 8]
-        _kernels().pack_less(x_np[start:stop], t, flags, _words(flags), bytes_)
+        _kernels().less(x_np[start:stop], t, flags)
+        _kernels().pack_flags(flags, _words(flags), bytes_)
+    return out
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The packed bits (LSB first) of a flat contiguous bool CPU tensor."""
+    flags = mask.view(torch.uint8).numpy()
+    out = torch.empty((flags.size + 7) // 8, dtype=torch.uint8)
+    _kernels().pack_flags(flags, _words(flags), out.numpy())
     return out
 
 
@@ -80,11 +89,13 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     if x.dtype != torch.float32 or act.monotone:
         return _portable.forward(act, x, precision_bit)
     y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
-    x_flat = flat(like(x, y))
     if precision_bit:  # y is ours: its lowest mantissa bit becomes the branch bit
-        set_lsb_less_(flat(y), x_flat, act.threshold)
+        set_lsb_less_(flat(y), flat(like(x, y)), act.threshold)
         return y, x.new_empty(0, dtype=torch.uint8)
-    return y, pack_less(x_flat, act.threshold)
+    if x.stride() != y.stride():  # a chunk of a fused projection, say: compare in y's layout, a byte
+        left = torch.empty_like(y, dtype=torch.bool)  # per element, rather than copy x (four bytes)
+        return y, pack_mask(flat(torch.lt(x, act.threshold, out=left)))
+    return y, pack_less(flat(x), act.threshold)
 
 
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool

@@ -45,20 +45,24 @@ _TOP_BYTE = np.uint64(56)
 
 
 @numba.njit(parallel=True, cache=True)
-def pack_less(x, threshold, flags, words, out):  # pragma: no cover - runs compiled
-    """out = the bits of x < threshold, packed LSB first; `flags`: scratch of x.size bytes, `words`:
-    its first 8 (x.size // 8) bytes viewed as uint64 (by numpy, as for unpack).
-    Two passes, each over contiguous memory, so both vectorize: the compares into flags, then eight
-    flags (one uint64) into each byte by one multiply. (One pass that loads eight strided elements
-    per byte ran 8x slower.)"""
+def less(x, threshold, flags):  # pragma: no cover - runs compiled
+    """flags[i] = x[i] < threshold (one byte each), the first of pack_less's two passes."""
     for i in numba.prange(x.size):
         flags[i] = x[i] < threshold
-    full = x.size // 8
+
+
+@numba.njit(parallel=True, cache=True)
+def pack_flags(flags, words, out):  # pragma: no cover - runs compiled
+    """out = `flags` (one 0/1 byte per element) packed LSB first, eight flags (one uint64 of `words`,
+    flags' first 8 (size // 8) bytes viewed by numpy, as for unpack) into each byte by one multiply.
+    With `less` before it: two passes over contiguous memory, both vectorized (one pass that loaded
+    eight strided elements per byte ran 8x slower)."""
+    full = flags.size // 8
     for b in numba.prange(full):
         out[b] = np.uint8((words[b] * _GATHER_BITS) >> _TOP_BYTE)
-    if x.size > 8 * full:
+    if flags.size > 8 * full:
         v = 0
-        for i in range(8 * full, x.size):
+        for i in range(8 * full, flags.size):
             v |= flags[i] << (i - 8 * full)
         out[full] = v
 

@@ -47,3 +47,21 @@ def test_set_lsb_less_matches_the_mask_then_with_lsb(n):
     y = torch.randn(n)
     want = _bits.with_lsb(y, is_left(x, T))
     assert torch.equal(_numba.set_lsb_less_(y.clone(), x, T).view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000])
+def test_pack_mask_matches_torchs_pack(n):
+    mask = torch.rand(n) < 0.5
+    assert torch.equal(_numba.pack_mask(mask), _bits.pack(mask))
+
+
+@pytest.mark.parametrize("columns", [7, 16, 1001])
+def test_forward_of_a_strided_input_packs_the_bits_in_ys_layout(columns):
+    # A chunk of a fused projection: x's rows are strided, y (torch's output) is contiguous; the bits
+    # follow y's element order, compared without copying x.
+    from invact._layout import flat, like
+
+    x = _inputs(8 * columns).view(4, 2 * columns).chunk(2, dim=-1)[0]
+    y, bits = _numba.forward(ACTIVATIONS["gelu"], x, False)
+    assert x.stride() != y.stride()
+    assert torch.equal(bits, _bits.pack(is_left(flat(like(x, y)), T)))
