@@ -20,7 +20,7 @@ import importlib.util
 import torch
 
 from invact import _bits, _portable
-from invact._layout import flat, like
+from invact._layout import flat
 from invact.activations import Activation
 
 
@@ -89,13 +89,18 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     if x.dtype != torch.float32 or act.monotone:
         return _portable.forward(act, x, precision_bit)
     y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
-    if precision_bit:  # y is ours: its lowest mantissa bit becomes the branch bit
-        set_lsb_less_(flat(y), flat(like(x, y)), act.threshold)
+    if x.stride() == y.stride():
+        if precision_bit:  # y is ours: its lowest mantissa bit becomes the branch bit
+            set_lsb_less_(flat(y), flat(x), act.threshold)
+            return y, x.new_empty(0, dtype=torch.uint8)
+        return y, pack_less(flat(x), act.threshold)
+    # A chunk of a fused projection, say: compared in y's layout into a byte per element, rather
+    # than x copied into it (four bytes per element).
+    left = flat(torch.lt(x, act.threshold, out=torch.empty_like(y, dtype=torch.bool)))
+    if precision_bit:
+        flat(y).view(torch.int32).bitwise_and_(-2).bitwise_or_(left.view(torch.uint8))
         return y, x.new_empty(0, dtype=torch.uint8)
-    if x.stride() != y.stride():  # a chunk of a fused projection, say: compare in y's layout, a byte
-        left = torch.empty_like(y, dtype=torch.bool)  # per element, rather than copy x (four bytes)
-        return y, pack_mask(flat(torch.lt(x, act.threshold, out=left)))
-    return y, pack_less(flat(x), act.threshold)
+    return y, pack_mask(left)
 
 
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool

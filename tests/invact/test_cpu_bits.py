@@ -65,3 +65,12 @@ def test_forward_of_a_strided_input_packs_the_bits_in_ys_layout(columns):
     y, bits = _numba.forward(ACTIVATIONS["gelu"], x, False)
     assert x.stride() != y.stride()
     assert torch.equal(bits, _bits.pack(is_left(flat(like(x, y)), T)))
+
+
+def test_precision_bit_forward_of_a_strided_input_sets_ys_lowest_bits():
+    from invact._layout import flat, like
+
+    x = _inputs(8 * 101).view(4, 202).chunk(2, dim=-1)[0]
+    y, bits = _numba.forward(ACTIVATIONS["gelu"], x, True)
+    want = _bits.with_lsb(ACTIVATIONS["gelu"].torch_forward(x), is_left(like(x, y), T))
+    assert bits.numel() == 0 and torch.equal(flat(y).view(torch.int32), flat(want).view(torch.int32))
