@@ -1,15 +1,17 @@
 """The numba backend for CPU tensors: the backward, one kernel per activation compiled from its
 numba view (fp32 scalar functions, invact/_generated/<act>_cpu.py), and the forward's bit packing
-fused into one pass for float32. Same signature as the other backends (invact/_portable.py).
+for float32 (a compare pass and a packing pass). Same signature as the other backends
+(invact/_portable.py).
 Optional: without numba, CPU tensors take the portable backend (correct, ~15x slower than torch's own
 backward).
 
 The backward reads y, one branch flag per element (none for a monotone activation) and dy, and
-writes dx in fp32 in one vectorized pass (the kernel is printed by codegen: `backward_kernel` in each
-numba view). Half-precision tensors are converted to fp32 around it (numba has no bf16). Every kernel
-is compiled with cache=True: the first call on a machine compiles them (about 5 s on a 2-core
-machine), later processes load them from numba's disk cache; benchmarks/speed.py reports both first
-calls.
+writes dx in fp32 (the kernel is printed by codegen: `backward_kernel` in each numba view). For the
+floor family's forms it evaluates every element's near pieces in one vectorized pass and each
+branch's far piece (its exp or log) only in the 16-element blocks that need it. Half-precision
+tensors are converted to fp32 around it (numba has no bf16). Every kernel is compiled with
+cache=True: the first call on a machine compiles them (about 5 s on a 2-core machine), later
+processes load them from numba's disk cache; benchmarks/speed.py reports both first calls.
 """
 
 from __future__ import annotations
