@@ -302,11 +302,11 @@ def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
     return "\n\n".join(blocks), has_split
 
 
-def _numba_kernel(c: CoeffFile) -> str:
-    """The backward kernel's source for this coefficient file (see _NUMBA_COMMON)."""
+def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
+    """The backward kernel's source for this coefficient file (see _NUMBA_COMMON); `has_split`: which
+    branches _numba_pieces printed near and far pieces for."""
     if c.monotone:
         return _NUMBA_COMMON + _NUMBA_MONOTONE
-    _, has_split = _numba_pieces(c)
     if not any(has_split.values()):
         return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_EVERY_PIECE
     jits, near, notes, passes = [], {}, [], []
@@ -338,9 +338,9 @@ def cpu_math_source() -> tuple[str, str]:
 
 def _numba_view(c: CoeffFile) -> str:
     """The scalar functions, then the backward kernel compiled from them."""
-    pieces = "" if c.monotone else _numba_pieces(c)[0]
+    pieces, has_split = ("", {}) if c.monotone else _numba_pieces(c)
     pieces = f"\n\n{pieces}" if pieces else ""
-    return f"{_functions(c, ScalarPrinter(), '_scalar')}{pieces}{_numba_kernel(c)}"
+    return f"{_functions(c, ScalarPrinter(), '_scalar')}{pieces}{_numba_kernel(c, has_split)}"
 
 
 def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
