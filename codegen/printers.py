@@ -89,7 +89,7 @@ class _ElementwisePrinter(PythonCodePrinter):
 
 
 class TritonPrinter(_ElementwisePrinter):
-    SQRT, EXP, LOG, ABS, WHERE = "tl.sqrt", "tl.exp", "tl.log", "tl.abs", "tl.where"
+    SQRT, EXP, LOG, ABS, WHERE = "tl.sqrt_rn", "tl.exp", "tl.log", "tl.abs", "tl.where"
     # fp32 forms that need no libdevice (the CPU interpreter has none): no tanh, erfc or softplus here
     # (an activation that uses them gives its Triton forward as a formula without them, spec `triton`).
     FUNCTIONS = {

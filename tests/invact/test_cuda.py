@@ -6,23 +6,22 @@ import pytest
 import torch
 
 import invact
-from invact._float64 import derivative_from_output
 from invact.activations import ACTIVATIONS
 from invact.ops import invact as invact_op
-from tests.invact.test_functional import _all_finite, _branch_masks, _exact_derivative
+from tests.invact.test_functional import (
+    HALF_LIMITS,
+    _branch_masks,
+    check_every_finite_16bit,
+    check_q_at_stored_y,
+)
 from tests.invact.test_memory_and_compile import MLP, ActThenLinear, _grads, saved_storages
 
 pytestmark = pytest.mark.gpu
 
 NAMES = sorted(ACTIVATIONS)
-# q evaluated in fp32 against q in float64: under 1e-6 (measured 7.4e-7 on CPU libm,
-# tests/codegen/test_generated_precision.py). The GPU's exp/log/sqrt are the same IEEE fp32 functions
-# to within 2 ulp (CUDA C Programming Guide, "Mathematical Functions": expf 2 ulp, logf 1 ulp), so the
-# same margin holds there.
-FP32_EVALUATION = 1e-6
-# Every finite 16-bit input: the CPU test's limits (bf16 0.06, fp16 0.03: the storage floor at the cusp,
-# ~0.015 / ~0.007, plus the family's error and dx's rounding to the dtype; test_functional.py).
-HALF_LIMITS = [(torch.bfloat16, 0.06), (torch.float16, 0.03)]
+# The CPU tests' checks and bounds (test_functional.py). Its margin for evaluating q in fp32, measured on
+# CPU libm, holds on the GPU too: exp/log/sqrt there are the same IEEE fp32 functions to within 2 ulp
+# (CUDA C Programming Guide, "Mathematical Functions": expf 2 ulp, logf 1 ulp; sqrt printed as sqrt_rn).
 
 
 def _run(name, x, mode="bits", dy=None):
@@ -43,27 +42,14 @@ def test_fp32_gradient_is_the_familys_at_the_stored_output(name, mode):
     x = torch.randn(2**20, device="cuda") * 3
     dy = torch.randn(2**20, device="cuda")
     y, dx = _run(name, x, mode, dy)
-    act = ACTIVATIONS[name]
     q = (dx.double() / dy.double()).cpu()
-    masks = _branch_masks(name, x.cpu())
-    # The bit is x < T: the branch masks come from x, and the exact derivative is taken at the y the
-    # kernel stored (in precision-bit mode, the y with the bit in its last place, which q also reads).
-    at_y = derivative_from_output(act, y.cpu(), None if act.monotone else masks[0][1])
-    for branch, mask in masks:
-        err = (q[mask] - at_y[mask]).abs().max().item()
-        assert err <= act.generated.ERRORS[branch]["linf_fp32"] + FP32_EVALUATION, (branch, err)
+    check_q_at_stored_y(ACTIVATIONS[name], y.cpu(), q, _branch_masks(name, x.cpu()))
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(("dtype", "limit"), HALF_LIMITS)
 def test_every_finite_16bit_input(name, dtype, limit):
-    x = _all_finite(dtype).cuda()
-    y_torch = ACTIVATIONS[name].torch_forward(x)
-    ok = torch.isfinite(y_torch)  # torch's own y overflows for |x| near the dtype's max (CPU test)
-    y, dx = _run(name, x)
-    assert torch.isfinite(dx[ok]).all()
-    err = (dx[ok].double() - _exact_derivative(name, x[ok])).abs().max().item()
-    assert err <= limit, err
+    check_every_finite_16bit(name, dtype, limit, "cuda")
 
 
 @pytest.mark.parametrize("name", NAMES)

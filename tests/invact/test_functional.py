@@ -83,6 +83,19 @@ def _branch_masks(name, x):
     return [("left", left), ("right", ~left)]
 
 
+def check_q_at_stored_y(act, y, q, masks):
+    """q = dx / dy (float64, CPU) against f' at the y the kernel stored (in precision-bit mode, the y
+    with the bit in its last place, which q also reads): the approximation's own error, which is
+    what linf_fp32 measures, plus evaluating q in fp32 (FP32_Q_ROUNDING, returned per element). Also run
+    by test_cuda.py."""
+    at_stored_y = derivative_from_output(act, y, None if act.monotone else masks[0][1])
+    rounding = FP32_Q_ROUNDING * at_stored_y.abs().clamp_min(1)
+    for branch, mask in masks:
+        err = (q[mask] - at_stored_y[mask]).abs() - rounding[mask]
+        assert err.max().item() <= act.generated.ERRORS[branch]["linf_fp32"], (branch, err.max().item())
+    return rounding
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_is_torch_bitwise(name, dtype):
@@ -103,11 +116,7 @@ def test_fp32_gradient_error_is_the_familys(name):
     gen, masks = act.generated, _branch_masks(name, x)
     # Against f' at the y torch stored: the approximation's own error, which is what linf_fp32
     # measures, plus evaluating q in fp32 (see FP32_Q_ROUNDING).
-    at_stored_y = derivative_from_output(act, y, None if act.monotone else masks[0][1])
-    rounding = FP32_Q_ROUNDING * at_stored_y.abs().clamp_min(1)
-    for branch, mask in masks:
-        err = (q[mask] - at_stored_y[mask]).abs() - rounding[mask]
-        assert err.max().item() <= gen.ERRORS[branch]["linf_fp32"], (branch, err.max().item())
+    rounding = check_q_at_stored_y(act, y, q, masks)
     # Against f'(x): plus what storing y in fp32 costs, given how far torch's own forward is off.
     err = (q - _exact_derivative(name, x)).abs() - rounding
     for branch, mask in masks:
@@ -125,11 +134,21 @@ def _all_finite(dtype):
     return x[torch.isfinite(x)]
 
 
+# Every finite 16-bit input: bf16 0.06, fp16 0.03 (where these come from: check_every_finite_16bit).
+HALF_LIMITS = [(torch.bfloat16, 0.06), (torch.float16, 0.03)]
+
+
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize(("dtype", "limit"), [(torch.bfloat16, 0.06), (torch.float16, 0.03)])
+@pytest.mark.parametrize(("dtype", "limit"), HALF_LIMITS)
 def test_every_finite_16bit_input(name, dtype, limit):
-    x = _all_finite(dtype)
+    check_every_finite_16bit(name, dtype, limit, "cpu")
+
+
+def check_every_finite_16bit(name, dtype, limit, device):
+    """dx for every finite x of a 16-bit dtype on `device`, against f'(x) in float64 (also run by
+    test_cuda.py)."""
     act = ACTIVATIONS[name]
+    x = _all_finite(dtype)
     y_torch = act.torch_forward(x)
     # y is not finite where f(x) itself passes the dtype's largest value (relu2 past x = 256 in fp16),
     # and near the top of the range where torch's own arithmetic overflows: its bf16 GELU returns NaN
@@ -138,7 +157,8 @@ def test_every_finite_16bit_input(name, dtype, limit):
     torch_overflow = ~torch.isfinite(y_torch)
     beyond = act.f(x.double()).abs() > torch.finfo(dtype).max
     assert (beyond | (x.abs() >= torch.finfo(dtype).max / 6))[torch_overflow].all()
-    y, dx = _run(name, x)
+    y, dx = _run(name, x.to(device))
+    dx = dx.cpu()
     ok = ~torch_overflow
     assert torch.isfinite(dx[ok]).all()
     df = _exact_derivative(name, x)
