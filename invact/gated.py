@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from invact.modules import InvAct
-from invact.ops import _Eager
+from invact.ops import _Eager, _EagerPlain
 
-_INVACT_NODE = f"{_Eager.__name__}Backward"  # the autograd node of the eager InvAct function
+# The autograd nodes of the eager InvAct functions (outside and inside torch.func transforms)
+_INVACT_NODES = frozenset(f"{function.__name__}Backward" for function in (_Eager, _EagerPlain))
 _MUL_NODE = "MulBackward0"
 
 
@@ -56,7 +57,7 @@ def _product_node(t: torch.Tensor):
     if found is None:
         return None
     node, operands = found
-    return node if any(n.name() == _INVACT_NODE for n in operands) else None
+    return node if any(n.name() in _INVACT_NODES for n in operands) else None
 
 
 class _Recompute:

@@ -142,7 +142,7 @@ def _patched_mlp():
 # -- torch.utils.checkpoint and selective activation checkpointing around a GELU MLP block ----------
 
 # Selective activation checkpointing (SAC) calls its policy from a TorchDispatchMode, so it sees ATen and
-# custom ops, never autograd.Functions. In eager mode invact runs as an autograd.Function (ops._Eager)
+# custom ops, never autograd.Functions. In eager mode invact runs as an autograd.Function (ops._EagerPlain)
 # whose forward dispatches torch's own aten.gelu (y) plus the bit-packing ops (aten.new_empty/empty
 # filled by the numba kernel, or aten.lt and friends without numba): the policy sees aten.gelu.default
 # and never invact.forward. Under torch.compile invact traces as the custom op torch.ops.invact.forward,
