@@ -101,16 +101,48 @@ class Config:
 CONFIGS = {"forward": Config(block=BLOCK, num_warps=4), "backward": Config(block=BLOCK, num_warps=4)}
 
 
-def _launch(kernel, config: Config, n: int, *args, **constexprs):
-    grid = (triton.cdiv(max(n, 1), config.block),)
-    kernel[grid](*args, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
+# The compiled kernel of each launch specialization (see _specialization), with its constexpr
+# arguments in signature order; None under TRITON_INTERPRET=1, where launches return no kernel.
+_COMPILED: dict[tuple, tuple | None] = {}
+
+
+def _specialization(kernel, config: Config, n: int, tensors: tuple, constexprs: dict) -> tuple:
+    """What Triton compiles a launch for: each pointer's dtype and 16-byte alignment, n's width and
+    whether it is 1 or a multiple of 16 (Triton's rules for integer arguments), the constexprs and the
+    launch configuration. tests/invact/test_cuda.py checks that each key finds the kernel Triton's own
+    launcher picks."""
+    pointers = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+    integer = (n % 16 == 0, n == 1, n >= 2**31)
+    return (kernel, config, tensors[0].device.index, pointers, integer, *constexprs.values())
+
+
+def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
+    """kernel over n elements. The first launch of each specialization goes through Triton's launcher,
+    which compiles (or loads) the kernel; later ones call the compiled kernel directly, skipping the
+    launcher's argument binding and cache-key building (host time per launch on the H100 machine:
+    27 us through the launcher)."""
+    grid = (triton.cdiv(max(n, 1), config.block), 1, 1)
+    key = _specialization(kernel, config, n, tensors, constexprs)
+    hit = _COMPILED.get(key, False)
+    if hit is False:
+        compiled = kernel[grid](*tensors, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
+        if compiled is None:
+            _COMPILED[key] = None
+        else:  # the launcher takes every argument, constexprs too, in the kernel's signature order
+            tail = [constexprs[name] for name in kernel.arg_names[len(tensors) + 1 : -1]] + [config.block]
+            _COMPILED[key] = (compiled, tail)
+    elif hit is None:  # the interpreter
+        kernel[grid](*tensors, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
+    else:
+        compiled, tail = hit
+        compiled[grid](*tensors, n, *tail)
 
 
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool, config: Config | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y = f(x) with x's layout (a copy of x if it is not dense) and the bits, in one pass. `config`:
     CONFIGS["forward"] unless given."""
-    x = x if is_dense(x) else x.contiguous()
+    x = x if x.is_contiguous() or is_dense(x) else x.contiguous()
     y = torch.empty_like(x)
     n, monotone = x.numel(), act.monotone
     bits = torch.empty(0 if precision_bit or monotone else (n + 7) // 8, dtype=torch.uint8, device=x.device)

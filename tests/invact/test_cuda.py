@@ -91,3 +91,34 @@ def test_inductor_matches_eager(mode, act):
     # test's 1e-5.
     for a, b in zip([want[0], want[1], *want[2]], [got[0], got[1], *got[2]], strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 17, 4096, 4099])
+@pytest.mark.parametrize("offset", [0, 1])  # 1: pointers off 16-byte alignment
+@pytest.mark.parametrize("precision_bit", [False, True])
+def test_direct_launch_runs_the_kernel_tritons_launcher_picks(dtype, n, offset, precision_bit):
+    """_triton._launch keys compiled kernels by its own reading of Triton's specialization rules; a
+    Triton that specializes on more would have it run a kernel compiled for other arguments."""
+    import triton
+
+    from invact import _triton
+
+    act = ACTIVATIONS["gelu"]
+    x = torch.randn(n + offset, device="cuda", dtype=dtype)[offset:]
+    dy = torch.randn(n + offset, device="cuda", dtype=dtype)[offset:]
+    y, bits = _triton.forward(act, x, precision_bit)
+    y_view = torch.empty(n + offset, device="cuda", dtype=dtype)[offset:].copy_(y)
+    dx = _triton.backward(act, y_view, bits, dy, precision_bit)
+    for _ in range(2):  # the second call takes the direct path
+        y2, bits2 = _triton.forward(act, x, precision_bit)
+        assert torch.equal(y2, y) and torch.equal(bits2, bits)
+        assert torch.equal(_triton.backward(act, y_view, bits, dy, precision_bit), dx)
+    config = _triton.CONFIGS["forward"]
+    constexprs = dict(T=act.threshold, FN=act.triton.forward, PRECISION_BIT=precision_bit, MONOTONE=False)
+    tensors = (x, torch.empty_like(x), torch.empty_like(bits))
+    key = _triton._specialization(_triton._forward_kernel, config, n, tensors, constexprs)
+    grid = (triton.cdiv(n, config.block), 1, 1)
+    launch = _triton._forward_kernel[grid]
+    tritons = launch(*tensors, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
+    assert _triton._COMPILED[key][0] is tritons
