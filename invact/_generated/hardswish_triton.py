@@ -16,10 +16,10 @@ def forward(x):
 @triton.jit
 def q_left(y):
     """q ~ f'(f^-1(y)) on the left branch (x < threshold, bit 1); max error 5.75e-09."""
-    return tl.where((y < -1e-07), -0.816496580927726*tl.sqrt_rn(tl.maximum(0.0, y + 0.375)), 0.0)
+    return tl.where((y < -1e-07), -0.816496580927726*tl.sqrt(tl.maximum(0.0, y + 0.375)), 0.0)
 
 
 @triton.jit
 def q_right(y):
     """q ~ f'(f^-1(y)) on the right branch (x >= threshold, bit 0); max error 5.75e-09."""
-    return tl.where((y <= 3.0), 0.816496580927726*tl.sqrt_rn(tl.maximum(0.0, y + 0.375)), 1.0)
+    return tl.where((y <= 3.0), 0.816496580927726*tl.sqrt(tl.maximum(0.0, y + 0.375)), 1.0)
