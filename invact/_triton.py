@@ -113,7 +113,10 @@ def _specialization(kernel, config: Config, n: int, tensors: tuple, constexprs: 
     launcher picks."""
     pointers = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
     integer = (n % 16 == 0, n == 1, n >= 2**31)
-    return (kernel, config, tensors[0].device.index, pointers, integer, *constexprs.values())
+    # Device functions by id: hashing a JITFunction hashes its source key in Python on every lookup.
+    # The cached entry holds them (the launch's argument tail), so an id is never reused while keyed.
+    values = tuple(v if isinstance(v, (bool, int, float)) else id(v) for v in constexprs.values())
+    return (id(kernel), config, tensors[0].device.index, pointers, integer, values)
 
 
 def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
