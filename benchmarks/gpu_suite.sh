@@ -3,7 +3,7 @@
 # table in fp32 and bf16 (with the bare kernels' GB/s), and peak memory of full training steps.
 # Results land in benchmarks/results/ named for the device, with one log per part in
 # benchmarks/results/gpu_logs/. Parts can be run alone (each must fit a 10-minute device command):
-#   benchmarks/gpu_suite.sh [tests] [tune] [speed-fp32] [speed-bf16] [memory]   (default: all)
+#   benchmarks/gpu_suite.sh [tests] [tune] [speed-fp32] [speed-bf16] [memory] [host]   (default: all)
 # PYTHON picks the interpreter (default python3). A part that fails is reported and the others still
 # run; the exit status is non-zero if any failed.
 set -uo pipefail
@@ -13,7 +13,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOGS=benchmarks/results/gpu_logs
 mkdir -p "$LOGS"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests tune speed-fp32 speed-bf16 memory)
+[ ${#parts[@]} -eq 0 ] && parts=(tests tune speed-fp32 speed-bf16 memory host)
 
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "gpu_suite: no CUDA device visible to $PYTHON" >&2
@@ -49,7 +49,8 @@ for part in "${parts[@]}"; do
     memory)
       run memory-fp32 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype float32
       run memory-bf16 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype bfloat16 ;;
-    *) echo "gpu_suite: unknown part '$part' (tests, tune, speed-fp32, speed-bf16, memory)" >&2; exit 2 ;;
+    host) run host "$PYTHON" benchmarks/host_time.py --device cuda ;;
+    *) echo "gpu_suite: unknown part '$part' (tests, tune, speed-fp32, speed-bf16, memory, host)" >&2; exit 2 ;;
   esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -64,3 +64,23 @@ def test_gpu_suite_refuses_without_cuda():
     script = ROOT / "benchmarks" / "gpu_suite.sh"
     proc = subprocess.run(["bash", str(script), "tune"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr
+
+
+def test_host_time_cpu_run(tmp_path):
+    out = tmp_path / "host.json"
+    args = ["--device", "cpu", "--elements", "1024", "--calls", "20", "--rounds", "2", "--out", out]
+    proc = _run(ROOT / "benchmarks" / "host_time.py", *args)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    layers = [r["layer"] for r in rows]
+    for who in ("torch", "InvAct"):  # each side timed with autograd's device threads on and off
+        assert f"{who} GELU forward + backward" in layers
+        assert f"{who} GELU forward + backward, autograd on one thread" in layers
+    assert all(r["us"] > 0 for r in rows)
+    assert "| InvAct backend backward alone |" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--elements", "--calls", "--rounds"])
+def test_host_time_bad_arguments(flag):
+    proc = _run(ROOT / "benchmarks" / "host_time.py", "--device", "cpu", flag, "0", timeout=120)
+    assert proc.returncode == 2 and f"{flag} must be positive" in proc.stderr
