@@ -124,6 +124,12 @@ def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
     which compiles (or loads) the kernel; later ones call the compiled kernel directly, skipping the
     launcher's argument binding and cache-key building (host time per launch on the H100 machine:
     27 us through the launcher)."""
+    device = tensors[0].device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        # Triton launches on the current device; tensors on another (a model split across GPUs in one
+        # process) need it made current, as torch's own ops do.
+        with torch.cuda.device(device):
+            return _launch(kernel, config, n, *tensors, **constexprs)
     grid = (triton.cdiv(max(n, 1), config.block), 1, 1)
     key = _specialization(kernel, config, n, tensors, constexprs)
     hit = _COMPILED.get(key, False)

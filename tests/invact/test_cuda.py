@@ -122,3 +122,15 @@ def test_direct_launch_runs_the_kernel_tritons_launcher_picks(dtype, n, offset, 
     launch = _triton._forward_kernel[grid]
     tritons = launch(*tensors, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
     assert _triton._COMPILED[key][0] is tritons
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("mode", ["bits", "precision_bit"])
+def test_tensors_on_a_device_that_is_not_the_current_one(mode):
+    torch.manual_seed(0)
+    x, dy = torch.randn(4099, device="cuda:1"), torch.randn(4099, device="cuda:1")
+    with torch.cuda.device(1):
+        want = _run("gelu", x, mode, dy)
+    with torch.cuda.device(0):
+        got = _run("gelu", x, mode, dy)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
