@@ -154,8 +154,9 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         "invact_ms": _step(_invact_copy(model, "bits"), inputs),
         "precision_bit_ms": _step(_invact_copy(model, "precision_bit"), inputs),
     }
-    if compile_model:
+    if compile_model:  # both compiled: does InvAct keep its cost under torch.compile (host time included)?
         variants["compile_ms"] = _step(torch.compile(copy.deepcopy(model)), inputs)
+        variants["invact_compile_ms"] = _step(torch.compile(_invact_copy(model, "bits")), inputs)
     clock = timer(device)
     for step in variants.values():  # warm-up: compilation (numba, Triton, inductor), allocator
         step()
@@ -166,9 +167,13 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         for k in order[round_ % len(order) :] + order[: round_ % len(order)]:
             times[k].append(clock(variants[k]))
     row = {"name": name, **{k: median_ms(v) for k, v in times.items()}}
-    torch_ms = [t() for t in times["torch_ms"]]
-    for variant, ratio in (("invact_ms", "invact_ratio"), ("precision_bit_ms", "precision_bit_ratio")):
-        per_round = [t() / base for t, base in zip(times[variant], torch_ms, strict=True)]
+    ratios = [("invact_ms", "invact_ratio", "torch_ms")]
+    ratios.append(("precision_bit_ms", "precision_bit_ratio", "torch_ms"))
+    if compile_model:
+        ratios.append(("invact_compile_ms", "invact_compile_ratio", "compile_ms"))
+    for variant, ratio, baseline in ratios:
+        base_ms = [t() for t in times[baseline]]
+        per_round = [t() / base for t, base in zip(times[variant], base_ms, strict=True)]
         q1, median, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
         row[ratio], row[f"{ratio}_quartiles"] = median, [q1, q3]
     return row
@@ -252,10 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--preset", choices=["paper", "cpu"], help="sizes (default: paper on cuda, cpu on cpu)"
     )
-    parser.add_argument("--small", action="store_true", help="a smoke run: tiny sizes, 3 repeats, no compile")
+    small_help = "a smoke run: tiny sizes, 3 repeats, no compile unless --compile"
+    parser.add_argument("--small", action="store_true", help=small_help)
     parser.add_argument("--repeats", type=int, default=25, help="timed runs per variant; medians reported")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time torch.compile of the torch model (default: on for cuda)")  # fmt: skip
+                        help="also time torch.compile of the torch model and of InvAct's (default: on for "
+                        "cuda; off with --small unless given)")  # fmt: skip
     parser.add_argument("--only", nargs="*", help="run only rows whose name contains one of these words")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/speed_<device>.json)")
     args = parser.parse_args(argv)
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS["small" if args.small else args.preset or ("paper" if args.device == "cuda" else "cpu")]
     repeats = 3 if args.small else args.repeats
     compile_model = (args.device == "cuda") if args.compile is None else args.compile
-    compile_model = compile_model and not args.small
+    compile_model = compile_model and not (args.small and args.compile is None)
     dtype = getattr(torch, args.dtype)
     rows = []
     for name, make_model, make_inputs in setups(preset, args.small):
@@ -308,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(result: dict) -> str:
     has_compile = any("compile_ms" in r for r in result["rows"])
     head = ["setup", "torch (ms)", "InvAct bits", "ratio (quartiles)", "precision-bit", "ratio (quartiles)"]
-    head += ["torch.compile (ms)"] if has_compile else []
+    if has_compile:
+        head += ["torch.compile (ms)", "InvAct + torch.compile (ms)", "ratio to torch.compile"]
     lines = [f"\n{result['device']}, {result['dtype']}, forward+backward, medians\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in result["rows"]:
@@ -317,7 +325,9 @@ def markdown(result: dict) -> str:
             continue
         cells = [r["name"], f"{r['torch_ms']:.3f}", f"{r['invact_ms']:.3f}", _ratio(r, "invact_ratio")]
         cells += [f"{r['precision_bit_ms']:.3f}", _ratio(r, "precision_bit_ratio")]
-        cells += [f"{r['compile_ms']:.3f}"] if has_compile else []
+        if has_compile:
+            cells += [f"{r['compile_ms']:.3f}", f"{r['invact_compile_ms']:.3f}"]
+            cells.append(_ratio(r, "invact_compile_ratio"))
         lines.append("| " + " | ".join(cells) + " |")
     first = result["first_call_s"]
     lines.append(f"\nfirst InvAct call in a fresh process: {first['cold']:.2f} s with empty kernel caches, "

@@ -33,3 +33,14 @@ def test_bad_arguments():
         [sys.executable, SCRIPT, "--repeats", "0"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and "must be positive" in proc.stderr
+
+
+def test_small_cpu_run_with_compile(tmp_path):
+    """--compile adds torch.compile of the torch model and of InvAct's, and InvAct's ratio to it."""
+    out = tmp_path / "speed.json"
+    args = ["--device", "cpu", "--small", "--compile", "--only", "Linear", "--out", str(out)]
+    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["compile_ms"] > 0 and row["invact_compile_ms"] > 0 and row["invact_compile_ratio"] > 0
+    assert "| InvAct + torch.compile (ms) |" in proc.stdout
