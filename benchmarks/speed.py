@@ -10,7 +10,9 @@ back, so a slow spell of a shared machine hits both sides of a ratio), with thei
 also times the backward kernel alone against a torch pass moving the same bytes, and it reports the
 first call in a fresh process with cold and warm kernel caches. CUDA timings use CUDA events. Sizes:
 --preset paper is the paper's (for a GPU), cpu is scaled down for a 2-core machine, --small is a
-smoke run. On CUDA it also reports the bandwidth of the bare Triton kernels. Writes
+smoke run. On CUDA it also reports the bandwidth of the bare Triton kernels, and per row the time
+the GPU itself is busy per step (profiler), torch against InvAct bits, which leaves out time the GPU
+waits for the host. Writes
 benchmarks/results/speed_<device>.json and prints a markdown table.
 """
 
@@ -32,7 +34,7 @@ from torch import nn
 import invact
 from invact.activations import ACTIVATIONS
 
-from timing import device_name, median_ms, timer, write_result
+from timing import device_busy_ms, device_name, median_ms, timer, write_result
 from tune import kernel_bandwidth
 
 # (elements of the bare activation, tokens x width of the Linear/MLP/GeGLU rows, BERT batch x seq x
@@ -144,6 +146,9 @@ def _invact_copy(model: nn.Module, mode: str) -> nn.Module:
     return patched
 
 
+GPU_BUSY_CALLS = 5  # steps profiled per variant for the GPU's busy time (CUDA only)
+
+
 def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_model) -> dict:
     torch.manual_seed(0)
     model = make_model().to(device=device, dtype=dtype).train()
@@ -176,6 +181,10 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         per_round = [t() / base for t, base in zip(times[variant], base_ms, strict=True)]
         q1, median, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
         row[ratio], row[f"{ratio}_quartiles"] = median, [q1, q3]
+    if device == "cuda":  # the GPU's own time per step, without time it waits for the host
+        for variant in ("torch", "invact"):
+            row[f"{variant}_gpu_ms"] = device_busy_ms(variants[f"{variant}_ms"], GPU_BUSY_CALLS, device)
+        row["invact_gpu_ratio"] = row["invact_gpu_ms"] / row["torch_gpu_ms"]
     return row
 
 
@@ -329,6 +338,13 @@ def markdown(result: dict) -> str:
             cells += [f"{r['compile_ms']:.3f}", f"{r['invact_compile_ms']:.3f}"]
             cells.append(_ratio(r, "invact_compile_ratio"))
         lines.append("| " + " | ".join(cells) + " |")
+    busy = [r for r in result["rows"] if "invact_gpu_ms" in r]
+    if busy:  # time the GPU itself spends per step (profiler): host-bound rows differ from the above
+        lines += ["", "| setup | GPU busy per step, torch (ms) | InvAct bits (ms) | ratio |"]
+        lines.append("|---|---|---|---|")
+        for r in busy:
+            lines.append(f"| {r['name']} | {r['torch_gpu_ms']:.3f} | {r['invact_gpu_ms']:.3f} | "
+                         f"{r['invact_gpu_ratio']:.3f}x |")  # fmt: skip
     first = result["first_call_s"]
     lines.append(f"\nfirst InvAct call in a fresh process: {first['cold']:.2f} s with empty kernel caches, "
                  f"{first['warm']:.2f} s with the caches it left")  # fmt: skip

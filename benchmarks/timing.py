@@ -44,6 +44,23 @@ def timer(device: str) -> Callable[[Callable[[], None]], Callable[[], float]]:
     return run
 
 
+def device_busy_ms(fn: Callable[[], None], calls: int, device: str) -> float:
+    """Milliseconds per call the device itself spends on fn's work: the profiler's self device time
+    summed over every event (kernels, copies, fills) of `calls` calls, divided by `calls`. Unlike a
+    step's time it leaves out time the GPU waits for the host. On CPU: the ops' self CPU time (only
+    so that this runs on a machine without a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return sum(getattr(event, attribute) for event in prof.key_averages()) / calls / 1e3  # us -> ms
+
+
 def median_ms(timings: list[Callable[[], float]]) -> float:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -44,3 +44,16 @@ def test_small_cpu_run_with_compile(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["compile_ms"] > 0 and row["invact_compile_ms"] > 0 and row["invact_compile_ratio"] > 0
     assert "| InvAct + torch.compile (ms) |" in proc.stdout
+
+
+def test_device_busy_ms_sums_the_ops_of_the_calls(monkeypatch):
+    """The profiler-based busy time speed.py reports per CUDA row, exercised on CPU ops: nothing for
+    no work, something for a matrix product."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from timing import device_busy_ms
+
+    a = torch.randn(64, 64)
+    assert device_busy_ms(lambda: None, 3, "cpu") == 0
+    assert device_busy_ms(lambda: torch.mm(a, a), 3, "cpu") > 0
