@@ -147,18 +147,32 @@ def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
         compiled[grid](*tensors, n, *tail)
 
 
+def forward_constexprs(act: Activation, precision_bit: bool) -> dict:
+    """_forward_kernel's constexpr arguments for `act` (BLOCK aside)."""
+    monotone = act.monotone
+    return dict(T=0.0 if monotone else act.threshold, FN=act.triton.forward, PRECISION_BIT=precision_bit,
+                MONOTONE=monotone)  # fmt: skip
+
+
+def backward_constexprs(act: Activation, precision_bit: bool) -> dict:
+    """_backward_kernel's constexpr arguments for `act` (BLOCK aside)."""
+    view = act.triton
+    return dict(QL=view.q_left or view.q_right, QR=view.q_right, PRECISION_BIT=precision_bit,
+                MONOTONE=view.q_left is None)  # fmt: skip
+
+
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool, config: Config | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y = f(x) with x's layout (a copy of x if it is not dense) and the bits, in one pass. `config`:
     CONFIGS["forward"] unless given."""
     x = x if x.is_contiguous() or is_dense(x) else x.contiguous()
     y = torch.empty_like(x)
-    n, monotone = x.numel(), act.monotone
-    bits = torch.empty(0 if precision_bit or monotone else (n + 7) // 8, dtype=torch.uint8, device=x.device)
+    n = x.numel()
+    saves_bits = not (precision_bit or act.monotone)
+    bits = torch.empty((n + 7) // 8 if saves_bits else 0, dtype=torch.uint8, device=x.device)
     if n:
-        _launch(_forward_kernel, config or CONFIGS["forward"], n, flat(x), flat(y), bits,
-                T=0.0 if monotone else act.threshold, FN=act.triton.forward,
-                PRECISION_BIT=precision_bit, MONOTONE=monotone)  # fmt: skip
+        constexprs = forward_constexprs(act, precision_bit)
+        _launch(_forward_kernel, config or CONFIGS["forward"], n, flat(x), flat(y), bits, **constexprs)
     return y, bits
 
 
@@ -168,8 +182,6 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     n = y.numel()
     dx = torch.empty_like(dy)
     if n:
-        view = act.triton
-        _launch(_backward_kernel, config or CONFIGS["backward"], n, y, bits, dy, dx,
-                QL=view.q_left or view.q_right, QR=view.q_right,
-                PRECISION_BIT=precision_bit, MONOTONE=view.q_left is None)  # fmt: skip
+        constexprs = backward_constexprs(act, precision_bit)
+        _launch(_backward_kernel, config or CONFIGS["backward"], n, y, bits, dy, dx, **constexprs)
     return dx

@@ -1,0 +1,105 @@
+"""The Triton kernels compiled for NVIDIA GPUs on a machine without one. Triton's compiler runs on the
+CPU (to PTX, and with the ptxas it ships to a cubin), so a kernel that does not compile fails here, in
+CI, rather than on the next GPU run. The interpreter (TRITON_INTERPRET=1, the other CPU tests) runs
+the kernels' Python source and never compiles them: the first H100 run found that the precision-bit
+kernels did not compile for sm_90, which every interpreter test had passed.
+
+The compiler refuses the interpreter's functions, so one subprocess without TRITON_INTERPRET compiles
+every case (about 0.3 s each here) and reports each one's error; a test per case reads its own.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from invact.activations import ACTIVATIONS
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+TARGETS = {"sm_90": 90, "sm_80": 80}  # H100/H200, A100 (the paper's GPU)
+
+
+def _case(kernel, name, dtype=torch.float32, precision_bit=False, target="sm_90", integer="i32"):
+    mode = "precision_bit" if precision_bit else "bits"
+    case_id = f"{kernel}-{name}-{str(dtype).removeprefix('torch.')}-{mode}-{target}-{integer}"
+    return case_id, (kernel, name, dtype, precision_bit, target, integer)
+
+
+KERNELS = ("forward", "backward")
+# Every activation's device functions inside both kernels, in fp32 and bf16, both modes; fp16 with gelu
+# (its integer view is bf16's), int64 offsets (past 2^31 elements), and the A100's target with gelu.
+CASES = dict(
+    [
+        _case(kernel, name, dtype, precision_bit)
+        for kernel in KERNELS
+        for name in sorted(ACTIVATIONS)
+        for dtype in (torch.float32, torch.bfloat16)
+        for precision_bit in (False, True)
+    ]
+    + [_case(kernel, "gelu", torch.float16, pb) for kernel in KERNELS for pb in (False, True)]
+    + [_case(kernel, "gelu", integer="i64") for kernel in KERNELS]
+    + [_case(kernel, "gelu", precision_bit=pb, target="sm_80") for kernel in KERNELS for pb in (False, True)]
+)
+
+
+def compile_case(kernel_name, name, dtype, precision_bit, target, integer):
+    """triton.compile of one kernel specialization for `target`, as invact._triton launches it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from invact import _triton
+
+    act = ACTIVATIONS[name]
+    kernel = getattr(_triton, f"_{kernel_name}_kernel")
+    constexprs = getattr(_triton, f"{kernel_name}_constexprs")(act, precision_bit)
+    constexprs["BLOCK"] = _triton.CONFIGS[kernel_name].block
+    signature = {}
+    for arg in kernel.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg == "bits_ptr":
+            signature[arg] = "*u8"
+        elif arg.endswith("_ptr"):
+            signature[arg] = POINTER[dtype]
+        else:
+            signature[arg] = integer
+    indexed = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
+    source = ASTSource(kernel, signature, constexprs=indexed)
+    options = {"num_warps": _triton.CONFIGS[kernel_name].num_warps}
+    return triton.compile(source, target=GPUTarget("cuda", TARGETS[target], 32), options=options)
+
+
+def _compile_all() -> None:
+    """Compile every case; print {case id: None, or the error's last lines} as JSON."""
+    errors = {}
+    for case_id, case in CASES.items():
+        try:
+            compiled = compile_case(*case)
+            errors[case_id] = None if compiled.asm.get("cubin") else "no cubin"
+        except Exception as e:  # noqa: BLE001 - any failure is the case's result
+            errors[case_id] = "\n".join(str(e).splitlines()[-12:]) or type(e).__name__
+    print(json.dumps(errors))
+
+
+@pytest.fixture(scope="module")
+def compile_errors(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))  # compile, not load
+    code = "from tests.invact.test_triton_compiles import _compile_all; _compile_all()"
+    command = [sys.executable, "-c", code]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_kernel_compiles_for_nvidia_gpus(compile_errors, case_id):
+    assert compile_errors[case_id] is None, compile_errors[case_id]
