@@ -40,9 +40,10 @@ def _offsets(BLOCK: tl.constexpr):
 @triton.jit
 def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr, PRECISION_BIT: tl.constexpr,
                     MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + _offsets(BLOCK)
-    mask = offs < n
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    rest = tl.minimum(n - start, BLOCK).to(tl.int32)
+    offs, x_ptr, y_ptr = _offsets(BLOCK), x_ptr + start, y_ptr + start
+    mask = offs < rest
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     left = x < T  # masked lanes hold 0 > T: never set a bit
     y = FN(x).to(y_ptr.dtype.element_ty)
@@ -53,17 +54,18 @@ def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr
         y = ((yi & ~1) | left.to(yi.dtype)).to(y_ptr.dtype.element_ty, bitcast=True)
     else:  # byte r = sum over its row of bit << column: a reduction of 8 neighbours
         packed = tl.sum(left.to(tl.int32) << tl.arange(0, 8)[None, :], axis=1).to(tl.uint8)
-        boffs = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        tl.store(bits_ptr + boffs, packed, mask=boffs < (n + 7) // 8)
+        boffs = tl.arange(0, BLOCK // 8)
+        tl.store(bits_ptr + start // 8 + boffs, packed, mask=boffs < (rest + 7) // 8)
     tl.store(y_ptr + offs, y, mask=mask)
 
 
 @triton.jit
 def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: tl.constexpr,
                      PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + _offsets(BLOCK)
-    mask = offs < n
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    rest = tl.minimum(n - start, BLOCK).to(tl.int32)
+    offs, y_ptr, dy_ptr, dx_ptr = _offsets(BLOCK), y_ptr + start, dy_ptr + start, dx_ptr + start
+    mask = offs < rest
     y_raw = tl.load(y_ptr + offs, mask=mask, other=0.0)
     y = y_raw.to(tl.float32)
     if MONOTONE:  # one branch, no bit; q itself at y = +-inf (x = +-inf), NaN stays NaN
@@ -72,8 +74,8 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
         if PRECISION_BIT:
             left = (_int_view(y_raw) & 1) != 0
         else:  # one byte load per row of 8, shifted across the row
-            boffs = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-            byte = tl.load(bits_ptr + boffs, mask=boffs < (n + 7) // 8, other=0).to(tl.int32)
+            boffs = tl.arange(0, BLOCK // 8)
+            byte = tl.load(bits_ptr + start // 8 + boffs, mask=boffs < (rest + 7) // 8, other=0).to(tl.int32)
             left = ((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1) != 0
         q = tl.where(left, QL(y), QR(y))
         q = tl.where(tl.abs(y) < float("inf"), q, float("nan"))  # y = +-inf or NaN: NaN, as torch
