@@ -163,6 +163,38 @@ def backward_constexprs(act: Activation, precision_bit: bool) -> dict:
                 MONOTONE=view.q_left is None)  # fmt: skip
 
 
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit: bool, arch: int = 90,
+                index: str = "i32"):  # fmt: skip
+    """Triton's compiled kernel ("forward" or "backward") for `act` on tensors of `dtype`, built for
+    NVIDIA compute capability `arch` (90: H100/H200, 80: A100) as the launches specialize it, with n
+    of type `index` ("i64" past 2^31 elements). Needs no GPU (Triton's compiler and the ptxas it ships
+    run on the CPU), but the real compiler: not under TRITON_INTERPRET=1. Its .asm holds the PTX and
+    the cubin."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    function = {"forward": _forward_kernel, "backward": _backward_kernel}[kernel]
+    constexprs = {"forward": forward_constexprs, "backward": backward_constexprs}[kernel](act, precision_bit)
+    constexprs["BLOCK"] = CONFIGS[kernel].block
+    signature = {}
+    for arg in function.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = "*u8" if arg == "bits_ptr" else _POINTER_TYPES[dtype]
+        else:
+            signature[arg] = index
+    source = ASTSource(
+        function, signature, constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()}
+    )
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": CONFIGS[kernel].num_warps}
+    )
+
+
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool, config: Config | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """y = f(x) with x's layout (a copy of x if it is not dense) and the bits, in one pass. `config`:

@@ -2,6 +2,7 @@
 so they never rot between the sessions that have a GPU, and the suite's refusal without one."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,37 @@ def test_host_time_cpu_run(tmp_path):
 def test_host_time_bad_arguments(flag):
     proc = _run(ROOT / "benchmarks" / "host_time.py", "--device", "cpu", flag, "0", timeout=120)
     assert proc.returncode == 2 and f"{flag} must be positive" in proc.stderr
+
+
+def test_kernel_sass_counts_instructions_against_the_budget(tmp_path):
+    """Compiled for sm_90 here (no GPU needed): relu2's kernels, whose backward is a square root."""
+    out = tmp_path / "sass.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = str(ROOT / "benchmarks" / "kernel_sass.py")
+    command = [sys.executable, script, "--only", "relu2", "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["dtype"]) for r in rows] == [
+        ("forward", "float32"), ("forward", "bfloat16"), ("backward", "float32"), ("backward", "bfloat16")
+    ]  # fmt: skip
+    for r in rows:
+        assert r["instructions_per_element"] > 0 and sum(r["top_opcodes"].values()) > 0
+        share = min(1, r["budget_per_element"] / r["instructions_per_element"])
+        assert r["predicted_gbps"] == r["copy_gbps"] * share
+    assert "| relu2 | backward | bfloat16 |" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "env_extra", "message"),
+    [
+        (["--only", "nonesuch"], {}, "unknown activation(s) nonesuch"),
+        (["--tune", "/nonexistent.json"], {}, "no such file"),
+        ([], {"TRITON_INTERPRET": "1"}, "unset TRITON_INTERPRET"),
+    ],
+)
+def test_kernel_sass_bad_arguments(args, env_extra, message):
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env_extra}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), *args],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

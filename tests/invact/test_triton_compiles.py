@@ -22,7 +22,6 @@ from invact.activations import ACTIVATIONS
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
-POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 TARGETS = {"sm_90": 90, "sm_80": 80}  # H100/H200, A100 (the paper's GPU)
 
 
@@ -49,32 +48,10 @@ CASES = dict(
 )
 
 
-def compile_case(kernel_name, name, dtype, precision_bit, target, integer):
-    """triton.compile of one kernel specialization for `target`, as invact._triton launches it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def compile_case(kernel, name, dtype, precision_bit, target, integer):
     from invact import _triton
 
-    act = ACTIVATIONS[name]
-    kernel = getattr(_triton, f"_{kernel_name}_kernel")
-    constexprs = getattr(_triton, f"{kernel_name}_constexprs")(act, precision_bit)
-    constexprs["BLOCK"] = _triton.CONFIGS[kernel_name].block
-    signature = {}
-    for arg in kernel.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg == "bits_ptr":
-            signature[arg] = "*u8"
-        elif arg.endswith("_ptr"):
-            signature[arg] = POINTER[dtype]
-        else:
-            signature[arg] = integer
-    indexed = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
-    source = ASTSource(kernel, signature, constexprs=indexed)
-    options = {"num_warps": _triton.CONFIGS[kernel_name].num_warps}
-    return triton.compile(source, target=GPUTarget("cuda", TARGETS[target], 32), options=options)
+    return _triton.compile_for(kernel, ACTIVATIONS[name], dtype, precision_bit, TARGETS[target], integer)
 
 
 def _compile_all() -> None:
