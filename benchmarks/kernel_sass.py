@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from timing import RESULTS, write_result
+from timing import RESULTS, gpu_slug, version, write_result
 
 # The H100 SXM's issue rate (NVIDIA H100 Tensor Core GPU Architecture whitepaper): 132 SMs, each of 4
 # sub-partitions issuing one warp instruction (32 threads) per clock, at the 1980 MHz boost clock.
@@ -111,16 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         cost = f"{r['instructions_per_element']:.1f} | {r['budget_per_element']:.1f}"
         rates = f"{r['predicted_gbps']:.0f} | {r['copy_gbps']:.0f}"
         print(f"| {r['activation']} | {r['kernel']} | {r['dtype']} | {cost} | {rates} |")
-    result = {"device": tune["device"], "target": "sm_90", "triton": _triton_version(), "rows": rows}
-    slug = re.sub(r"[^a-z0-9]+", "-", tune["device"].lower().removeprefix("nvidia ")).strip("-")
-    write_result(result, "kernel_sass", "cuda", out=args.out or RESULTS / f"kernel_sass_{slug}.json")
+    result = {"device": tune["device"], "target": "sm_90", "triton": version("triton"), "rows": rows}
+    out = args.out or RESULTS / f"kernel_sass_{gpu_slug(tune['device'])}.json"
+    write_result(result, "kernel_sass", "cuda", out=out)
     return 0
-
-
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
 
 
 if __name__ == "__main__":

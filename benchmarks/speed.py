@@ -34,7 +34,7 @@ from torch import nn
 import invact
 from invact.activations import ACTIVATIONS
 
-from timing import device_busy_ms, device_name, median_ms, timer, write_result
+from timing import device_busy_ms, device_name, median_ms, timer, version, write_result
 from tune import kernel_bandwidth
 
 # (elements of the bare activation, tokens x width of the Linear/MLP/GeGLU rows, BERT batch x seq x
@@ -301,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": device_name(args.device),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "numba": _version("numba"),
+        "triton": version("triton"),
+        "numba": version("numba"),
         "dtype": args.dtype,
         "settings": {
             "preset": "small" if args.small else args.preset,
@@ -368,13 +368,6 @@ def _ratio(row: dict, key: str) -> str:
     """'1.012x (0.98-1.05)': the median per-round ratio and its quartiles."""
     q1, q3 = row[f"{key}_quartiles"]
     return f"{row[key]:.3f}x ({q1:.2f}-{q3:.2f})"
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

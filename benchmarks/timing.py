@@ -89,9 +89,20 @@ def cpu_model() -> str:
 
 def device_slug(device: str) -> str:
     """A file-name part for the device: 'h100-80gb-hbm3' for CUDA, 'cpu' for CPU."""
-    if device != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower().removeprefix("nvidia ")).strip("-")
+    return gpu_slug(torch.cuda.get_device_name()) if device == "cuda" else "cpu"
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-")
+
+
+def version(module: str) -> str | None:
+    """The module's __version__; None where it is not installed."""
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
 
 
 def peak_gbps() -> float | None:

@@ -104,8 +104,8 @@ CONFIGS = {"forward": Config(block=BLOCK, num_warps=4), "backward": Config(block
 
 
 # The compiled kernel of each launch specialization (see _specialization), with its constexpr
-# arguments in signature order; None under TRITON_INTERPRET=1, where launches return no kernel.
-_COMPILED: dict[tuple, tuple | None] = {}
+# arguments in signature order; nothing under TRITON_INTERPRET=1, where launches return no kernel.
+_COMPILED: dict[tuple, tuple] = {}
 
 
 def _specialization(kernel, config: Config, n: int, tensors: tuple, constexprs: dict) -> tuple:
@@ -134,19 +134,18 @@ def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
             return _launch(kernel, config, n, *tensors, **constexprs)
     grid = (triton.cdiv(max(n, 1), config.block), 1, 1)
     key = _specialization(kernel, config, n, tensors, constexprs)
-    hit = _COMPILED.get(key, False)
-    if hit is False:
-        compiled = kernel[grid](*tensors, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
-        if compiled is None:
-            _COMPILED[key] = None
-        else:  # the launcher takes every argument, constexprs too, in the kernel's signature order
-            tail = [constexprs[name] for name in kernel.arg_names[len(tensors) + 1 : -1]] + [config.block]
-            _COMPILED[key] = (compiled, tail)
-    elif hit is None:  # the interpreter
-        kernel[grid](*tensors, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
-    else:
+    hit = _COMPILED.get(key)
+    if hit is not None:
         compiled, tail = hit
         compiled[grid](*tensors, n, *tail)
+        return
+    compiled = kernel[grid](*tensors, n, **constexprs, BLOCK=config.block, num_warps=config.num_warps)
+    if compiled is None:  # the interpreter: no compiled kernel to keep
+        return
+    # The first launch of this specialization. The compiled kernel's launcher takes every argument,
+    # constexprs too, in the kernel's signature order.
+    tail = [constexprs[name] for name in kernel.arg_names[len(tensors) + 1 : -1]] + [config.block]
+    _COMPILED[key] = (compiled, tail)
 
 
 def forward_constexprs(act: Activation, precision_bit: bool) -> dict:
