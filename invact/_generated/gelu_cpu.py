@@ -63,6 +63,32 @@ def q_right_far_scalar(y):
     return ((F(0.060052555273820425)*t0 + F(0.45165362290965505))*(F(2.9994001199760056)*t0 + F(-6.34025194961008)) + F(1.6229015184324167))*exp32(-F(0.5)*(t1*t1)) + F(1.0)
 
 
+def q_near_scalar(y, left):
+    """q_left_near_scalar(y) where left, else q_right_near_scalar(y): one polynomial in t = s*g + h,
+    s, h and each coefficient selected by the bit, evaluated by Estrin's scheme."""
+    g = math.sqrt(max(F(5.264809199712062e-09), y + F(0.16997121274471283)) + F(-5.264809199712062e-09))
+    t = (F(5.113533221346956) if left else F(1.123317831547258))*g + (F(-1.0))
+    c0 = F(-0.12287745764720864) if left else F(1.016780903070982)
+    c1 = F(-0.048815572470719056) if left else F(0.623654096377974)
+    c2 = F(0.09267103578489995) if left else F(-0.8256520010304583)
+    c3 = F(0.023575339587848722) if left else F(-0.24568496234565246)
+    c4 = F(0.007089962147517539) if left else F(0.28727506666681696)
+    c5 = F(0.0012663477087584544) if left else F(0.1707556197097911)
+    c6 = F(-0.0009815531563395524) if left else F(0.08942480884341576)
+    c7 = F(0.006422957403471552) if left else F(0.0462381928009308)
+    c8 = F(0.008420640367541967) if left else F(-0.007663576527843513)
+    c9 = F(-0.0065156731910251545) if left else F(-0.14851781244781348)
+    c10 = F(-0.009059896637892936) if left else F(-0.1312141585171771)
+    c11 = F(0.003818970272271588) if left else F(0.06741552919822076)
+    c12 = F(0.004491339874520465) if left else F(0.10000340956668029)
+    c13 = F(0.0) if left else F(-0.007947967988493473)
+    c14 = F(0.0) if left else F(-0.023043369063526536)
+    t2 = t*t
+    t4 = t2*t2
+    t8 = t4*t4
+    return ((((c0 + c1*t) + (c2 + c3*t)*t2) + ((c4 + c5*t) + (c6 + c7*t)*t2)*t4) + (((c8 + c9*t) + (c10 + c11*t)*t2) + ((c12 + c13*t) + c14*t2)*t4)*t8)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -72,6 +98,7 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_near_scalar)
 _q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
 _q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
 _q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
@@ -96,7 +123,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
     for i in range(n):
         left = flags[i] & 1
-        q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+        q = _q_near(y[i], left)
         need[i] = np.uint8(1) * np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT)) | np.uint8(2) * np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
     full = n - n % _BLOCK

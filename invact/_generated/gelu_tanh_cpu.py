@@ -65,6 +65,32 @@ def q_right_far_scalar(y):
     return (t2*(t2*(F(2.4507713235923934)*t1 + F(-0.5553209078698677)) + F(14.781408770636855)) + F(20.42254183960635))*exp32(-F(0.07135481627260025)*(t0*t0*t0) - F(1.5957691216057308)*t0) + F(1.0)
 
 
+def q_near_scalar(y, left):
+    """q_left_near_scalar(y) where left, else q_right_near_scalar(y): one polynomial in t = s*g + h,
+    s, h and each coefficient selected by the bit, evaluated by Estrin's scheme."""
+    g = math.sqrt(max(F(5.8927504542616305e-09), y + F(0.17004075646400452)) + F(-5.8927504542616305e-09))
+    t = (F(5.112487506358656) if left else F(1.1233052132594947))*g + (F(-1.0))
+    c0 = F(-0.12282200416409168) if left else F(1.0164822901164068)
+    c1 = F(-0.04916990398298916) if left else F(0.6230411456341706)
+    c2 = F(0.09183125369645122) if left else F(-0.8236666827750538)
+    c3 = F(0.02270135760541757) if left else F(-0.2380909867409246)
+    c4 = F(0.0070522497412377205) if left else F(0.29113002096321733)
+    c5 = F(0.004201050985157753) if left else F(0.1639617124491719)
+    c6 = F(-0.0010982016885612853) if left else F(0.07639090350825546)
+    c7 = F(-0.00404363594463798) if left else F(0.025574125038331435)
+    c8 = F(0.008839971654086724) if left else F(-0.013796921431799844)
+    c9 = F(0.012154572581684791) if left else F(-0.10912989847849998)
+    c10 = F(-0.009515631868096019) if left else F(-0.0960662568116946)
+    c11 = F(-0.011863985714520858) if left else F(0.04326645109052073)
+    c12 = F(0.004841963885514299) if left else F(0.07025281492847976)
+    c13 = F(0.005149386455072829) if left else F(-0.0028860972595852897)
+    c14 = F(0.0) if left else F(-0.01499082096959022)
+    t2 = t*t
+    t4 = t2*t2
+    t8 = t4*t4
+    return ((((c0 + c1*t) + (c2 + c3*t)*t2) + ((c4 + c5*t) + (c6 + c7*t)*t2)*t4) + (((c8 + c9*t) + (c10 + c11*t)*t2) + ((c12 + c13*t) + c14*t2)*t4)*t8)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -74,6 +100,7 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_near_scalar)
 _q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
 _q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
 _q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
@@ -98,7 +125,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
     for i in range(n):
         left = flags[i] & 1
-        q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+        q = _q_near(y[i], left)
         need[i] = np.uint8(1) * np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT)) | np.uint8(2) * np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
     full = n - n % _BLOCK

@@ -63,6 +63,31 @@ def q_right_far_scalar(y):
     return (t1*(t1*(F(1.8869493498883647) - F(0.9147948694673429)*t0) + F(13.441067596671385)) + F(21.57288294822978))*exp32(-F(2.0)*max(F(-0.30884341301725043), y)) + F(1.0)
 
 
+def q_near_scalar(y, left):
+    """q_left_near_scalar(y) where left, else q_right_near_scalar(y): one polynomial in t = s*g + h,
+    s, h and each coefficient selected by the bit, evaluated by Estrin's scheme."""
+    g = math.sqrt(max(F(-8.96260871074972e-09), y + F(0.3088434040546417)) + F(8.96260871074972e-09))
+    t = (F(5.08951178858168) if left else F(1.0994931336653802))*g + (F(-1.0))
+    c0 = F(-0.09979021537750588) if left else F(0.9524504159551109)
+    c1 = F(-0.05201865381437573) if left else F(0.6602481748558972)
+    c2 = F(0.05147004623616973) if left else F(-0.7806694828215162)
+    c3 = F(0.0034519578021399303) if left else F(-0.2491521109051428)
+    c4 = F(-0.00018140791833290605) if left else F(0.4142852005956011)
+    c5 = F(6.60543921586126e-05) if left else F(0.18257606282478392)
+    c6 = F(0.0) if left else F(-0.03673633963914825)
+    c7 = F(0.0) if left else F(-0.0909693694636686)
+    c8 = F(0.0) if left else F(-0.0751153207219496)
+    c9 = F(0.0) if left else F(-0.014733804739335355)
+    c10 = F(0.0) if left else F(0.044339145860442596)
+    c11 = F(0.0) if left else F(0.031693613034121874)
+    c12 = F(0.0) if left else F(-0.008199046613684612)
+    c13 = F(0.0) if left else F(-0.009307423015325559)
+    t2 = t*t
+    t4 = t2*t2
+    t8 = t4*t4
+    return ((((c0 + c1*t) + (c2 + c3*t)*t2) + ((c4 + c5*t) + (c6 + c7*t)*t2)*t4) + (((c8 + c9*t) + (c10 + c11*t)*t2) + (c12 + c13*t)*t4)*t8)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -72,6 +97,7 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_near_scalar)
 _q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
 _q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
 _q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
@@ -96,7 +122,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
     for i in range(n):
         left = flags[i] & 1
-        q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+        q = _q_near(y[i], left)
         need[i] = np.uint8(1) * np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT)) | np.uint8(2) * np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
     full = n - n % _BLOCK

@@ -61,6 +61,29 @@ def q_right_far_scalar(y):
     return ((F(1.0303929022815543)*t0 + F(4.167200673559898))*(F(1.2596996875944775)*t0 + F(-3.2405648493399175)) + F(9.96147294260005))*exp32(-F(1.702)*max(F(-0.16361018963635354), y)) + F(1.0)
 
 
+def q_near_scalar(y, left):
+    """q_left_near_scalar(y) where left, else q_right_near_scalar(y): one polynomial in t = s*g + h,
+    s, h and each coefficient selected by the bit, evaluated by Estrin's scheme."""
+    g = math.sqrt(max(F(5.16768405844914e-10), y + F(0.16361019015312195)) + F(-5.16768405844914e-10))
+    t = (F(5.211984437014471) if left else F(1.1244483175442048))*g + (F(-1.0))
+    c0 = F(-0.09852092651443504) if left else F(1.01397667405918)
+    c1 = F(-0.02155829622439158) if left else F(0.5267331155722724)
+    c2 = F(0.08700589945142655) if left else F(-0.8778571067360509)
+    c3 = F(0.00980691058823385) if left else F(0.0498575662912023)
+    c4 = F(0.00017626011765479188) if left else F(0.4899672422849018)
+    c5 = F(0.0007445237078654665) if left else F(-0.03507481788208358)
+    c6 = F(-0.0003500784264604428) if left else F(-0.14051074662723237)
+    c7 = F(-0.0007749228295089576) if left else F(-0.057630522807147505)
+    c8 = F(0.0005008719768629416) if left else F(0.027499804199387936)
+    c9 = F(0.0005949855671062591) if left else F(0.03547989221145371)
+    c10 = F(0.0) if left else F(-0.001070415464763076)
+    c11 = F(0.0) if left else F(-0.00736188278864237)
+    t2 = t*t
+    t4 = t2*t2
+    t8 = t4*t4
+    return ((((c0 + c1*t) + (c2 + c3*t)*t2) + ((c4 + c5*t) + (c6 + c7*t)*t2)*t4) + ((c8 + c9*t) + (c10 + c11*t)*t2)*t8)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -70,6 +93,7 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_near_scalar)
 _q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
 _q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
 _q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
@@ -94,7 +118,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
     for i in range(n):
         left = flags[i] & 1
-        q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+        q = _q_near(y[i], left)
         need[i] = np.uint8(1) * np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT)) | np.uint8(2) * np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
     full = n - n % _BLOCK

@@ -63,6 +63,27 @@ def q_right_far_scalar(y):
     return (t1*(t1*(t1*(t1*(t1*(-F(0.5424029601296784)*t0 + F(-0.812315764836696)) + F(-2.438994141403287)) + F(-0.592923521013524)) + F(1.4738880599811564)) + F(8.077149403057378)) + F(8.335914224095479))*exp32(-max(F(-0.27846454276107385), y)) + F(1.0)
 
 
+def q_near_scalar(y, left):
+    """q_left_near_scalar(y) where left, else q_right_near_scalar(y): one polynomial in t = s*g + h,
+    s, h and each coefficient selected by the bit, evaluated by Estrin's scheme."""
+    g = math.sqrt(max(F(1.297928259313963e-08), y + F(0.27846455574035645)) + F(-1.297928259313963e-08))
+    t = (F(5.359932893640171) if left else F(1.1045757048573717))*g + (F(-1.0))
+    c0 = F(-0.08754944452033925) if left else F(0.8565047694058131)
+    c1 = F(-0.04767484606457863) if left else F(0.7013853653133665)
+    c2 = F(0.04410277200194151) if left else F(-0.46858580021000323)
+    c3 = F(0.004190692702392612) if left else F(-0.1771415766197764)
+    c4 = F(-3.6115053810607644e-05) if left else F(0.16816168534101777)
+    c5 = F(0.0) if left else F(0.024325789781097982)
+    c6 = F(0.0) if left else F(-0.013412376826305238)
+    c7 = F(0.0) if left else F(-0.007490853610896383)
+    c8 = F(0.0) if left else F(-0.0008236384538887456)
+    c9 = F(0.0) if left else F(0.000767172215247426)
+    t2 = t*t
+    t4 = t2*t2
+    t8 = t4*t4
+    return ((((c0 + c1*t) + (c2 + c3*t)*t2) + ((c4 + c5*t) + (c6 + c7*t)*t2)*t4) + (c8 + c9*t)*t8)
+
+
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
 # cached on disk (cache=True: a later process loads it instead of compiling). Fast-math flags that keep
 # IEEE semantics for NaN and inf, which it relies on: FMA contraction, reassociation, reciprocal and
@@ -72,6 +93,7 @@ _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
 _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 _q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)
+_q_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_near_scalar)
 _q_left_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_near_scalar)
 _q_left_far = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_far_scalar)
 _q_right_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_near_scalar)
@@ -96,7 +118,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
     for i in range(n):
         left = flags[i] & 1
-        q = _q_left_near(y[i]) if left else _q_right_near(y[i])
+        q = _q_near(y[i], left)
         need[i] = np.uint8(1) * np.uint8((flags[i] & 1 == 1) & (y[i] >= LEFT_SPLIT)) | np.uint8(2) * np.uint8((flags[i] & 1 == 0) & (y[i] >= RIGHT_SPLIT))
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
     full = n - n % _BLOCK

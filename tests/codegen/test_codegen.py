@@ -3,6 +3,7 @@
 import hashlib
 import importlib
 import json
+import math
 import shutil
 
 import numpy as np
@@ -109,3 +110,38 @@ def test_a_default_without_a_spec_entry_is_one_line(tmp_path):
     (tmp_path / "coeffs" / "defaults.json").write_text(json.dumps(defaults))
     with pytest.raises(ValueError, match="defaults.json: 'swish2' has no entry in .*activations.json"):
         render_all(tmp_path / "coeffs")
+
+
+def _shared_near_function(left: sympy.Expr, right: sympy.Expr):
+    """codegen's q_near_scalar for two near pieces, executed from its printed source (or None)."""
+    from codegen.render import _shared_near
+
+    source = _shared_near(left, right, ScalarPrinter())
+    if source is None:
+        return None
+    from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401  (names the source uses)
+
+    namespace = {"math": math, "F": F, "exp32": exp32, "log32": log32, "expm1_32": expm1_32}
+    exec(compile(source, "q_near_scalar", "exec"), namespace)  # our own printed code, not user input
+    return namespace["q_near_scalar"]
+
+
+def test_shared_near_polynomial_selects_each_branchs_coefficients():
+    # Two Horner sums in affine maps of one g = sqrt(y + 1), as the floor family writes them; sympy
+    # distributes the innermost c*t, which the rewrite must fold back.
+    g = sympy.sqrt(Y + 1)
+    t_left, t_right = 3 * g - 1, sympy.Float(0.5) * g - 1
+    left = 2 + t_left * (sympy.Float(0.25) + t_left * sympy.Float(-0.125))
+    right = -1 + t_right * (3 + t_right * (sympy.Float(0.5) + t_right * 7))
+    q_near = _shared_near_function(left, right)
+    for y in (-0.75, 0.0, 0.3, 2.0):
+        for piece, side in ((left, True), (right, False)):
+            want = float(piece.subs(Y, y))
+            assert q_near(np.float32(y), side) == pytest.approx(want, rel=1e-5, abs=1e-5), (y, side)
+
+
+def test_no_shared_near_polynomial_without_a_common_variable():
+    left = 1 + 2 * (3 * sympy.sqrt(Y + 1) - 1)
+    right = 1 + 2 * (3 * sympy.sqrt(Y + 2) - 1)
+    assert _shared_near_function(left, right) is None
+    assert _shared_near_function(left, sympy.exp(Y)) is None

@@ -30,3 +30,35 @@ def test_fp32_evaluation_stays_within_the_recorded_error(name, branch):
     exact = target(act, y, branch)
     err = (np.abs(q32 - exact) - FP32_EVALUATION * np.maximum(np.abs(exact), 1)).max()
     assert err <= generated.ERRORS[branch]["linf_fp32"], err
+
+
+# The numba kernel's near pieces (codegen prints q_near_scalar where both branches' near pieces are
+# polynomials in one variable): evaluated as the kernel does, compiled with its fast-math flags.
+SHARED_NEAR = [
+    (name, branch)
+    for name, branch in PAIRS
+    if hasattr(importlib.import_module(f"invact._generated.{name}_cpu"), "q_near_scalar")
+]
+
+
+@pytest.mark.parametrize(("name", "branch"), SHARED_NEAR)
+def test_kernel_near_piece_stays_within_the_recorded_error(name, branch):
+    numba = pytest.importorskip("numba")
+    cpu = importlib.import_module(f"invact._generated.{name}_cpu")
+    generated = importlib.import_module(f"invact._generated.{name}")
+    q_near = cpu._q_near
+
+    @numba.njit(fastmath=cpu._FASTMATH)
+    def evaluate(y, left):
+        out = np.empty_like(y)
+        for i in range(y.size):
+            out[i] = q_near(y[i], left)
+        return out
+
+    act = get_activation(name)
+    y = dtype_eval_points(act, branch, FORMATS["fp32"])
+    y = y[y < getattr(cpu, f"{branch.upper()}_SPLIT")]
+    q32 = evaluate(y.astype(np.float32), branch == "left").astype(np.float64)
+    exact = target(act, y, branch)
+    err = (np.abs(q32 - exact) - FP32_EVALUATION * np.maximum(np.abs(exact), 1)).max()
+    assert err <= generated.ERRORS[branch]["linf_fp32"], err
