@@ -214,13 +214,13 @@ def first_call_seconds(device: str) -> dict:
 
 
 def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
-    """Per activation of the bare rows: InvAct's CPU backward (bits mode, fp32, `elements`: unpacking
-    the bits, allocating dx, the numba kernel) and the kernel alone (flags unpacked once, dx given),
-    against a torch pass moving the same bytes but the bits: torch.mul(y, dy, out=dx), which reads two
-    fp32 tensors and writes one, as the kernel does (plus n/8 bytes of bits, or n flag bytes for the
-    kernel alone). Interleaved; ratios are medians of per-round ratios. Also torch's own backward op
-    (aten's <act>_backward, or autograd's for a composition), which allocates its dx as ours does."""
-    from invact import _bits, _numba
+    """Per activation of the bare rows: InvAct's CPU backward (bits mode, fp32, `elements`: allocating
+    dx, the numba kernel) and the kernel alone (dx given), against a torch pass moving the same bytes
+    but the bits: torch.mul(y, dy, out=dx), which reads two fp32 tensors and writes one, as the kernel
+    does (plus n/8 bytes of bits). Interleaved; ratios are medians of per-round ratios. Also torch's
+    own backward op (aten's <act>_backward, or autograd's for a composition), which allocates its dx as
+    ours does."""
+    from invact import _numba
     from invact.activations import ACTIVATIONS
 
     rows = []
@@ -230,13 +230,13 @@ def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
         dy = torch.randn(elements, generator=torch.Generator().manual_seed(1))
         y, bits = _numba.forward(act, x, False)
         dx, kernel_dx = torch.empty_like(y), torch.empty_like(y)
-        flags = () if act.monotone else (_bits.unpack(bits, elements).to(torch.uint8).numpy(),)
-        kernel_args = (y.numpy(), *flags, dy.numpy(), kernel_dx.numpy())
+        kernel = act.cpu.backward_kernel if act.monotone else act.cpu.backward_kernel_bits
+        kernel_args = (y.numpy(), *(() if act.monotone else (bits.numpy(),)), dy.numpy(), kernel_dx.numpy())
         xg = x.clone().requires_grad_()
         torch_y = make()(xg)
         steps = {
             "backward_ms": lambda act=act, y=y, bits=bits, dy=dy: _numba.backward(act, y, bits, dy, False),
-            "kernel_ms": lambda act=act, args=kernel_args: act.cpu.backward_kernel(*args),
+            "kernel_ms": lambda kernel=kernel, args=kernel_args: kernel(*args),
             "same_bytes_ms": lambda y=y, dy=dy, dx=dx: torch.mul(y, dy, out=dx),
             "torch_backward_ms": lambda t=torch_y, x=xg, g=dy: torch.autograd.grad(t, x, g, True),
         }

@@ -1,4 +1,5 @@
-"""fp32 scalar math for the numba CPU kernels: exp and log that LLVM can vectorize.
+"""fp32 scalar math for the numba CPU kernels: exp and log that LLVM can vectorize; and the bit
+unpacking each backward kernel runs on its span (unpack_bits).
 
 numba lowers math.exp to a libm call per element, which blocks SIMD; without Intel's SVML (a second
 dependency) the backward kernel then runs ~3x slower. These versions use range reduction, a
@@ -98,3 +99,26 @@ def expm1_32(x):
     for c in _EXPM1_P[1:]:
         p = p * x + c
     return x * p if abs(x) <= F(0.5) else exp32(x) - F(1.0)
+
+
+# Byte b times this repeats it in all eight bytes of a uint64; & _BIT_K keeps bit k in byte k; adding
+# 0x7F to each byte (no byte exceeds 0x80, so none carries) sets its top bit where it was not 0; >> 7
+# and & _REPEAT leave byte k = bit k of b. The eight flags of one byte in one uint64 store.
+_REPEAT = np.uint64(0x0101010101010101)
+_BIT_K = np.uint64(0x8040201008040201)
+_SEVEN_F = np.uint64(0x7F7F7F7F7F7F7F7F)
+_SEVEN = np.uint64(7)
+
+
+@njit(inline="always")
+def unpack_bits(bits, flags, words):
+    """flags[i] = bit i of `bits` (uint8, LSB first) for i < flags.size, one byte (0 or 1) each.
+    Whole bytes go eight flags at a time, as one uint64 (eight strided byte stores per bit byte ran
+    several times slower): `words` is flags' first 8 (flags.size // 8) bytes viewed as uint64, a
+    view of a whole array (writes through numba's view of a slice were lost: numba 0.68)."""
+    full = words.size
+    for b in range(full):
+        v = (np.uint64(bits[b]) * _REPEAT) & _BIT_K
+        words[b] = ((v + _SEVEN_F) >> _SEVEN) & _REPEAT
+    for i in range(8 * full, flags.size):
+        flags[i] = (bits[full] >> (i - 8 * full)) & 1

@@ -5,10 +5,12 @@ for float32 (a compare pass and a packing pass). Same signature as the other bac
 Optional: without numba, CPU tensors take the portable backend (correct, ~15x slower than torch's own
 backward).
 
-The backward reads y, one branch flag per element (none for a monotone activation) and dy, and
-writes dx in fp32 (the kernel is printed by codegen: `backward_kernel` in each numba view). For the
-floor family's forms it evaluates every element's near pieces in one vectorized pass and each
-branch's far piece (its exp or log) only in the 16-element blocks that need it. Half-precision
+The backward reads y, the packed bits (or y's own lowest bit in precision-bit mode; none for a
+monotone activation) and dy, and writes dx in fp32 (the kernel is printed by codegen:
+`backward_kernel_bits` and `backward_kernel` in each numba view); each thread unpacks its span's bits
+into a buffer that stays in cache. For the floor family's forms it evaluates every element's near
+piece in one vectorized pass (one polynomial whose coefficients each element selects by its bit)
+and each branch's far piece (its exp or log) only in the 16-element blocks that need it. Half-precision
 tensors are converted to fp32 around it (numba has no bf16). Every kernel is compiled with
 cache=True: the first call on a machine compiles them (about 5 s on a 2-core machine), later
 processes load them from numba's disk cache; benchmarks/speed.py reports both first calls.
@@ -32,7 +34,7 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-_BLOCK = 2**20  # elements per kernel call in bits mode: the unpacked flags (1 MB) are reused per block
+_BLOCK = 2**20  # elements per packing pass in the forward: its flags (1 MB) are reused per block
 
 
 def _kernels():
@@ -109,28 +111,19 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
              ) -> torch.Tensor:  # fmt: skip
     """dx = dy * q(y, bit) for flat CPU tensors. The bits come packed (`bits`, uint8, LSB first) or, in
     precision-bit mode, as y's own integer view, whose lowest bit is the branch bit; neither for a
-    monotone activation. Packed bits are unpacked block by block into a small reused buffer: reading
-    them inside the loop blocks vectorization (measured 8x slower), and one n-byte buffer per call
-    costs ~1 ms of page faults."""
+    monotone activation. Packed bits go to the kernel as they are (`backward_kernel_bits`: each thread
+    unpacks its span's into a buffer that stays in cache)."""
     flags = _bits.int_view(y) if precision_bit and not act.monotone else None
     bits = None if act.monotone or precision_bit else bits
     kernel = act.cpu.backward_kernel  # printed by codegen into the activation's numba view
     y32, dy32 = y.float().contiguous(), dy.float().contiguous()
     dx32 = torch.empty_like(y32)
-    n = y32.numel()
     arrays = y32.numpy(), dy32.numpy(), dx32.numpy()
     if bits is None and flags is None:
         kernel(*arrays)
         return dx32.to(dy.dtype)
     if flags is not None:
         kernel(arrays[0], flags.contiguous().numpy(), arrays[1], arrays[2])
-        return dx32.to(dy.dtype)
-    unpack = _kernels().unpack
-    scratch = torch.empty(min(n, _BLOCK), dtype=torch.uint8).numpy()
-    bits_np = bits.numpy()
-    for start in range(0, n, _BLOCK):
-        stop = min(start + _BLOCK, n)
-        block = scratch[: stop - start]  # this block's flags, one byte per element
-        unpack(bits_np[start // 8 : (stop + 7) // 8], stop - start, block, _words(block))
-        kernel(arrays[0][start:stop], block, arrays[1][start:stop], arrays[2][start:stop])
+    else:
+        act.cpu.backward_kernel_bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
     return dx32.to(dy.dtype)

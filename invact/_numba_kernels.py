@@ -1,5 +1,6 @@
-"""The numba kernels every activation shares: bit packing for the forward, unpacking for the backward,
-and precision-bit mode's one-pass bit setting. Module-level functions with cache=True: numba compiles
+"""The numba kernels every activation shares: bit packing for the forward and precision-bit mode's
+one-pass bit setting (each activation's backward kernel unpacks its bits itself, span by span:
+invact._cpu_math.unpack_bits). Module-level functions with cache=True: numba compiles
 each once per machine and stores the machine code on disk (next to this file, or in its user-wide
 cache directory where that is not writable; NUMBA_CACHE_DIR overrides), and later processes load it
 instead of compiling. Imported by invact._numba on the first CPU call only (it imports numba).
@@ -11,29 +12,6 @@ import numba
 import numpy as np
 
 _CLEAR_LSB = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
-
-
-# Byte b times this repeats it in all eight bytes of a uint64; & _BIT_K keeps bit k in byte k; adding
-# 0x7F to each byte (no byte exceeds 0x80, so none carries) sets its top bit where it was not 0; >> 7
-# and & _ONES leave byte k = bit k of b. The eight flags of one byte in one uint64 store.
-_REPEAT = np.uint64(0x0101010101010101)
-_BIT_K = np.uint64(0x8040201008040201)
-_SEVEN_F = np.uint64(0x7F7F7F7F7F7F7F7F)
-_SEVEN = np.uint64(7)
-
-
-@numba.njit(parallel=True, cache=True)
-def unpack(bits, n, out, words):  # pragma: no cover - runs compiled
-    """out[i] = bit i of `bits` (LSB first) for i < n. Whole bytes go eight flags at a time, as one
-    uint64 (eight strided byte stores per bit byte ran several times slower): `words` is out's first
-    8 (n // 8) bytes viewed as uint64, made by numpy (writes through numba's own
-    view of a slice were lost: numba 0.68)."""
-    full = n // 8
-    for b in numba.prange(full):
-        v = (np.uint64(bits[b]) * _REPEAT) & _BIT_K
-        words[b] = ((v + _SEVEN_F) >> _SEVEN) & _REPEAT
-    for i in range(8 * full, n):
-        out[i] = (bits[full] >> (i - 8 * full)) & 1
 
 
 # Eight bytes b_k (0 or 1) of a little-endian uint64 v = sum b_k 2^(8k), times this, put b_k at bit

@@ -1,6 +1,7 @@
-"""The numba backward kernel's block skipping (invact/_generated/<act>_cpu.py, _backward_span): each
-element gets its own branch's piece whichever block and span it lies in, whether the far pieces run
-in its block or not, and in the partial block at the end."""
+"""The numba backward kernel (invact/_generated/<act>_cpu.py). Its block skipping (_backward_span):
+each element gets its own branch's piece whichever block and span it lies in, whether the far pieces
+run in its block or not, and in the partial block at the end. Its packed-bits entry
+(backward_kernel_bits): the same dx as with the flags unpacked, at every size and span boundary."""
 
 import math
 
@@ -13,8 +14,8 @@ from invact import _bits, _portable  # noqa: E402
 from invact.activations import ACTIVATIONS  # noqa: E402
 
 # The activations whose kernel skips far pieces: the floor family's two-branch forms (codegen prints
-# _backward_span where a branch's far piece alone calls exp or log).
-SKIPPING = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone and hasattr(a.cpu, "_backward_span"))
+# the block loops, with _BLOCK, where a branch's far piece alone calls exp or log).
+SKIPPING = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone and hasattr(a.cpu, "_BLOCK"))
 # Two fp32 evaluations of one formula, each within 1e-6 of it (tests/codegen/test_generated_precision.py).
 FP32_TWO_EVALUATIONS = 2e-6
 FAR_X = 6.0  # beyond every split: y -> 0- on the left branch, y = x past the largest right split (4)
@@ -54,3 +55,24 @@ def test_every_element_gets_its_piece(name, n):
     assert torch.equal(dx.isnan(), want.isnan())
     finite = ~want.isnan()
     assert (dx[finite] - want[finite]).abs().max() <= FP32_TWO_EVALUATIONS * dy.abs().max()
+
+
+TWO_BRANCH = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone)
+
+
+@pytest.mark.parametrize("n", [1, 7, 9, "a span less 3", "a span and 13", "two spans and 5"])
+@pytest.mark.parametrize("name", TWO_BRANCH)
+def test_packed_bits_give_the_same_dx_as_unpacked_flags(name, n):
+    span = ACTIVATIONS[name].cpu._SPAN
+    sizes = {"a span less 3": span - 3, "a span and 13": span + 13, "two spans and 5": 2 * span + 5}
+    n = sizes.get(n, n)
+    act = ACTIVATIONS[name]
+    wide = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3  # both branches, and their tails
+    x = _inputs(name, n) if name in SKIPPING else wide
+    y, dy = act.torch_forward(x), torch.randn(n, generator=torch.Generator().manual_seed(1))
+    left = _bits.is_left(x, act.threshold)
+    unpacked, packed = torch.empty(n), torch.empty(n)
+    act.cpu.backward_kernel(y.numpy(), left.to(torch.uint8).numpy(), dy.numpy(), unpacked.numpy())
+    act.cpu.backward_kernel_bits(y.numpy(), _bits.pack(left).numpy(), dy.numpy(), packed.numpy())
+    assert torch.equal(packed.isnan(), unpacked.isnan())
+    assert torch.equal(packed.nan_to_num(), unpacked.nan_to_num())  # the same kernel: bit for bit

@@ -30,14 +30,14 @@ def test_pack_less_matches_the_mask_then_pack(n):
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2**16 + 5])
-def test_unpack_kernel_matches_torchs_unpack(n):
+def test_unpack_bits_matches_torchs_unpack(n):
     import numpy as np
 
-    from invact import _numba_kernels
+    from invact._cpu_math import unpack_bits
 
     bits = _bits.pack(torch.rand(n) < 0.5)
     flags = np.empty(n, dtype=np.uint8)
-    _numba_kernels.unpack(bits.numpy(), n, flags, _numba._words(flags))
+    unpack_bits(bits.numpy(), flags, _numba._words(flags))
     assert torch.equal(torch.from_numpy(flags), _bits.unpack(bits, n).to(torch.uint8))  # 0 or 1 each
 
 
