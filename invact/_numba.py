@@ -1,6 +1,6 @@
 """The numba backend for CPU tensors: the backward, one kernel per activation compiled from its
 numba view (fp32 scalar functions, invact/_generated/<act>_cpu.py), and the forward's bit packing
-for float32 (a compare pass and a packing pass). Same signature as the other backends
+for float32 (one pass over x). Same signature as the other backends
 (invact/_portable.py).
 Optional: without numba, CPU tensors take the portable backend (correct, ~15x slower than torch's own
 backward).
@@ -34,9 +34,6 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-_BLOCK = 2**20  # elements per packing pass in the forward: its flags (1 MB) are reused per block
-
-
 def _kernels():
     """The kernels every activation shares (imports numba, and loads them from numba's disk cache)."""
     from invact import _numba_kernels
@@ -61,21 +58,13 @@ def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.T
 
 
 def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The packed bits of x < threshold (LSB first) for a flat contiguous float32 CPU tensor, block by
-    block through a reused scratch of one flag byte per element (one n-byte buffer per call would
-    cost its page faults). The threshold is rounded to float32 first, as torch does when it compares
-    with a Python float."""
+    """The packed bits of x < threshold (LSB first) for a flat contiguous float32 CPU tensor, in one
+    pass over x. The threshold is rounded to float32 first, as torch does when it compares with a
+    Python float."""
     import numpy as np
 
-    n = x.numel()
-    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
-    x_np, out_np, t = x.numpy(), out.numpy(), np.float32(threshold)
-    scratch = np.empty(min(n, _BLOCK), dtype=np.uint8)
-    for start in range(0, n, _BLOCK):  # _BLOCK is a multiple of 8: each block fills whole bytes
-        stop = min(start + _BLOCK, n)
-        flags, bytes_ = scratch[: stop - start], out_np[start // 8 : (stop + 7) // 8]
-        _kernels().less(x_np[start:stop], t, flags)
-        _kernels().pack_flags(flags, _words(flags), bytes_)
+    out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
+    _kernels().pack_less(x.numpy(), np.float32(threshold), out.numpy())
     return out
 
 

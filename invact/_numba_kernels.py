@@ -22,27 +22,47 @@ _GATHER_BITS = np.uint64(0x0102040810204080)
 _TOP_BYTE = np.uint64(56)
 
 
-@numba.njit(parallel=True, cache=True)
-def less(x, threshold, flags):  # pragma: no cover - runs compiled
-    """flags[i] = x[i] < threshold (one byte each), the first of pack_less's two passes."""
-    for i in numba.prange(x.size):
-        flags[i] = x[i] < threshold
+_SPAN = 2**16  # elements per thread's turn: whole bytes of bits (and a 64 KB flag buffer in cache)
 
 
-@numba.njit(parallel=True, cache=True)
-def pack_flags(flags, words, out):  # pragma: no cover - runs compiled
-    """out = `flags` (one 0/1 byte per element) packed LSB first, eight flags (one uint64 of `words`,
-    flags' first 8 (size // 8) bytes viewed by numpy, as for unpack) into each byte by one multiply.
-    With `less` before it: two passes over contiguous memory, both vectorized (one pass that loaded
-    eight strided elements per byte ran 8x slower)."""
-    full = flags.size // 8
-    for b in numba.prange(full):
+@numba.njit(inline="always")
+def _pack(flags, words, out):  # pragma: no cover - runs compiled
+    """out = `flags` (one 0/1 byte per element) packed LSB first, eight flags (one uint64 of `words`:
+    flags' whole 8-byte words, a view of a whole array as for invact._cpu_math.unpack_bits) into
+    each byte by one multiply (loading eight strided elements per byte ran 8x slower)."""
+    full = words.size
+    for b in range(full):
         out[b] = np.uint8((words[b] * _GATHER_BITS) >> _TOP_BYTE)
     if flags.size > 8 * full:
         v = 0
         for i in range(8 * full, flags.size):
             v |= flags[i] << (i - 8 * full)
         out[full] = v
+
+
+@numba.njit(parallel=True, cache=True)
+def pack_flags(flags, words, out):  # pragma: no cover - runs compiled
+    """out = `flags` (one 0/1 byte per element) packed LSB first, span by span across the threads;
+    `words`: flags' first 8 (size // 8) bytes viewed as uint64 by numpy."""
+    for p in numba.prange((flags.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(flags.size, (p + 1) * _SPAN)
+        _pack(flags[lo:hi], words[lo // 8 : hi // 8], out[lo // 8 :])
+
+
+@numba.njit(parallel=True, cache=True)
+def pack_less(x, threshold, out):  # pragma: no cover - runs compiled
+    """out = the packed bits (LSB first) of x < threshold. Each thread compares its span into a flag
+    buffer that stays in cache, then packs it: one pass over x (measured on a 2-core Zen 4, 2^22
+    fp32: 0.41 ms against 0.59 for a compare pass and a packing pass through a scratch buffer, and
+    0.33 for torch's x.sum())."""
+    for p in numba.prange((x.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(x.size, (p + 1) * _SPAN)
+        flags = np.empty(_SPAN, dtype=np.uint8)
+        words = flags.view(np.uint64)  # of the whole buffer: see _pack
+        span = x[lo:hi]
+        for i in range(hi - lo):
+            flags[i] = span[i] < threshold
+        _pack(flags[: hi - lo], words[: (hi - lo) // 8], out[lo // 8 :])
 
 
 @numba.njit(parallel=True, cache=True)

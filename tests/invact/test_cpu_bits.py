@@ -10,6 +10,7 @@ from invact._bits import is_left  # noqa: E402
 from invact.activations import ACTIVATIONS  # noqa: E402
 
 T = ACTIVATIONS["gelu"].threshold
+SPAN = _numba._kernels()._SPAN
 
 
 def _inputs(n: int) -> torch.Tensor:
@@ -22,8 +23,8 @@ def _inputs(n: int) -> torch.Tensor:
     return x
 
 
-# sizes around a byte, and past the block the packing runs in (one block, then a partial one)
-@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2**16 + 5, _numba._BLOCK, 2 * _numba._BLOCK + 13])
+# sizes around a byte, and past the span each thread packs (one span, then a partial one)
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, SPAN, SPAN + 5, 2 * SPAN + 13])
 def test_pack_less_matches_the_mask_then_pack(n):
     x = _inputs(n)
     assert torch.equal(_numba.pack_less(x, T), _bits.pack(is_left(x, T)))
@@ -49,7 +50,7 @@ def test_set_lsb_less_matches_the_mask_then_with_lsb(n):
     assert torch.equal(_numba.set_lsb_less_(y.clone(), x, T).view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000])
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000, 2 * SPAN + 13])
 def test_pack_mask_matches_torchs_pack(n):
     mask = torch.rand(n) < 0.5
     assert torch.equal(_numba.pack_mask(mask), _bits.pack(mask))
