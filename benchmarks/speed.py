@@ -213,6 +213,21 @@ def first_call_seconds(device: str) -> dict:
     return seconds
 
 
+# Rounds of the CPU backward table (at least): each takes a few ms, while a shared VM's memory speed
+# drifts over seconds (the same-bytes pass measured 0.9 to 1.9 ms for 2^22 elements within minutes on
+# a 2-core EPYC); many short interleaved rounds keep the median ratio steady.
+BANDWIDTH_ROUNDS = 61
+
+
+def numba_target() -> str:
+    """The CPU numba compiles the kernels for: NUMBA_CPU_NAME if set (say haswell, for AVX2 code on an
+    AVX-512 machine), else the host's."""
+    import numba
+    from llvmlite import binding
+
+    return numba.config.CPU_NAME or binding.get_host_cpu_name()
+
+
 def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
     """Per activation of the bare rows: InvAct's CPU backward (bits mode, fp32, `elements`: allocating
     dx, the numba kernel) and the kernel alone (dx given), against a torch pass moving the same bytes
@@ -303,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": version("triton"),
         "numba": version("numba"),
+        "numba_target": numba_target() if args.device == "cpu" else None,
         "dtype": args.dtype,
         "settings": {
             "preset": "small" if args.small else args.preset,
@@ -313,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if args.device == "cpu" and not args.only:
-        result["cpu_backward"] = cpu_backward_bandwidth(preset["elements"], repeats)
+        rounds = repeats if args.small else max(repeats, BANDWIDTH_ROUNDS)
+        result["cpu_backward"] = cpu_backward_bandwidth(preset["elements"], rounds)
     if args.device == "cuda":
         result["kernel_bandwidth"] = kernel_bandwidth(dtype, preset["elements"], repeats)
     print(markdown(result))
@@ -326,7 +343,8 @@ def markdown(result: dict) -> str:
     head = ["setup", "torch (ms)", "InvAct bits", "ratio (quartiles)", "precision-bit", "ratio (quartiles)"]
     if has_compile:
         head += ["torch.compile (ms)", "InvAct + torch.compile (ms)", "ratio to torch.compile"]
-    lines = [f"\n{result['device']}, {result['dtype']}, forward+backward, medians\n",
+    target = f", numba compiling for {result['numba_target']}" if result.get("numba_target") else ""
+    lines = [f"\n{result['device']}{target}, {result['dtype']}, forward+backward, medians\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in result["rows"]:
         if "error" in r:

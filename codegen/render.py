@@ -209,7 +209,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     is +-inf or NaN. First every element's near piece, in one loop over the span (vectorized, with
     one aliasing check: a loop per block paid one per block, measured 20% slower), noting which far
     piece each element needs (bit 0: left, bit 1: right). Then block by block, the far pieces its
-    notes ask for (two words ORed, folded to a byte); the last partial block evaluates every piece."""
+    notes ask for (two words ORed, folded to a byte); in the last partial block, element by element."""
     n = y.size
     need = np.empty((n + 7) // 8 * 8, dtype=np.uint8)
     words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
@@ -227,10 +227,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
             m |= m >> shift
         lo = b * _BLOCK
 {far_passes}
-    for i in range(full, n):
-        a, b = _q_left(y[i]), _q_right(y[i])
-        q = a if flags[i] & 1 else b
-        dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)
+{tail_passes}
 '''
 
 _NUMBA_EVERY_PIECE = '''
@@ -248,6 +245,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
 
 # The two entries of a two-branch kernel, after its _backward_span: the flags per element, or packed.
 _NUMBA_SPANS = '''
+
 _SPAN = 2**16  # elements per call of _backward_span: whole bytes of bits (and 256 KB of y)
 
 
@@ -275,6 +273,11 @@ def backward_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
         unpack_bits(bits[lo // 8 : (hi + 7) // 8], flags[: hi - lo], words[: (hi - lo) // 8])
         _backward_span(y[lo:hi], flags[: hi - lo], dy[lo:hi], dx[lo:hi])
 '''
+
+# The partial block at the end of a span: its far pieces element by element, as its notes ask.
+_NUMBA_TAIL_PASS = """    for i in range(full, n):
+        if need[i] & {note} and abs(y[i]) < _INF:
+            dx[i] = dy[i] * _q_{name}_far(y[i])"""
 
 _NUMBA_FAR_PASS = """        if m & np.uint64({note}):
             for j in range(_BLOCK):
@@ -402,7 +405,7 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
         return _NUMBA_COMMON + _NUMBA_MONOTONE
     if not any(has_split.values()):
         return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_EVERY_PIECE + _NUMBA_SPANS
-    jits, near, notes, passes = [], {}, [], []
+    jits, near, notes, passes, tails = [], {}, [], [], []
     if has_split.get("shared"):
         jits.append('_q_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_near_scalar)')
     for name in ("left", "right"):
@@ -416,11 +419,13 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
         bit, split, note = _BRANCH_BIT[name], f"{name.upper()}_SPLIT", _NOTE[name]
         notes.append(f"np.uint8({note}) * np.uint8({bit} & (y[i] >= {split}))")
         passes.append(_NUMBA_FAR_PASS.format(name=name, bit=bit, split=split, note=note))
+        tails.append(_NUMBA_TAIL_PASS.format(name=name, note=note))
     near_q = f"{near['left']}(y[i]) if left else {near['right']}(y[i])"
     if has_split.get("shared"):
         near_q = "_q_near(y[i], left)"
     return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_TWO_BRANCHES.format(
         piece_jits="\n".join(jits), near_q=near_q, need=" | ".join(notes), far_passes="\n".join(passes),
+        tail_passes="\n".join(tails),
     ) + _NUMBA_SPANS  # fmt: skip
 
 

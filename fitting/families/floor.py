@@ -146,7 +146,10 @@ def _last_y_beyond(y: Numeric, excess: Numeric) -> float:
 # split. Costs are in Horner steps (one fused multiply-add over a vector). The far piece's own
 # transform, exp or log (~25 steps each in invact/_cpu_math.py) plus a sqrt and its pass over the
 # block, counts FAR_STEPS more: measured on a 2-core AMD EPYC (AVX-512), in-cache per element, a log
-# cost 3.6x and an exp 2.8x a degree-8 Horner polynomial.
+# cost 3.6x and an exp 2.8x a degree-8 Horner polynomial. The kernel now evaluates both branches'
+# near pieces as one polynomial of the larger degree with per-element coefficients, so an element
+# pays the larger near degree; each branch's split is still chosen alone, which for gelu leaves its
+# left split at 0.1 y_min, where 0.05 y_min (degree 16) would halve the blocks needing that far piece.
 BLOCK = 16
 FAR_STEPS = 30
 

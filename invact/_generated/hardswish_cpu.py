@@ -42,6 +42,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
         q = a if flags[i] & 1 else b
         dx[i] = dy[i] * (q if abs(y[i]) < _INF else _NAN)  # y = +-inf or NaN: NaN, as torch
 
+
 _SPAN = 2**16  # elements per call of _backward_span: whole bytes of bits (and 256 KB of y)
 
 
