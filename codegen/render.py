@@ -187,11 +187,25 @@ _q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_s
 
 _NUMBA_MONOTONE = '''
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def backward_kernel(y, dy, dx):  # pragma: no cover - runs compiled
-    """dx = dy * q(y) (monotone: no bit). q itself at y = +-inf (x = +-inf); NaN stays NaN."""
-    for i in numba.prange(y.size):
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _backward_span(y, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y) on one thread's span (monotone: no bit). q itself at y = +-inf (x = +-inf); NaN
+    stays NaN."""
+    prefer_512_bit_vectors()
+    for i in range(y.size):
         dx[i] = dy[i] * (_q_right(y[i]) if y[i] == y[i] else _NAN)
+
+
+_SPAN = 2**16  # elements per call of _backward_span
+
+
+@numba.njit(parallel=True, cache=True)
+def backward_kernel(y, dy, dx):  # pragma: no cover - runs compiled
+    """dx = dy * q(y) (see _backward_span), span by span of _SPAN elements across the threads: the
+    serial function carries the vector-width attribute, which a prange body cannot."""
+    for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
+        _backward_span(y[lo:hi], dy[lo:hi], dx[lo:hi])
 '''
 
 _Q_LEFT_JIT = '_q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)\n'
@@ -210,6 +224,7 @@ def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     one aliasing check: a loop per block paid one per block, measured 20% slower), noting which far
     piece each element needs (bit 0: left, bit 1: right). Then block by block, the far pieces its
     notes ask for (two words ORed, folded to a byte); in the last partial block, element by element."""
+    prefer_512_bit_vectors()
     n = y.size
     need = np.empty((n + 7) // 8 * 8, dtype=np.uint8)
     words = need.view(np.uint64)  # read only: numba lost writes through its own views of slices
@@ -236,6 +251,7 @@ _NUMBA_EVERY_PIECE = '''
 def _backward_span(y, flags, dy, dx):  # pragma: no cover - runs compiled
     """dx = dy * q(y, bit) on one thread's span: q_left where flags[i] & 1, else q_right; NaN where y
     is +-inf or NaN."""
+    prefer_512_bit_vectors()
     for i in range(y.size):
         # Both branches, every piece of each, then a select: branch-free, so it vectorizes.
         a, b = _q_left(y[i]), _q_right(y[i])
@@ -455,7 +471,7 @@ import math  # noqa: F401
 import numba
 import numpy as np
 
-from invact._cpu_math import F, exp32, expm1_32, log32, unpack_bits  # noqa: F401
+from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
 
 
 {_numba_view(c)}'''
@@ -525,7 +541,7 @@ import numba
 import numpy as np
 import torch
 
-from invact._cpu_math import F, exp32, expm1_32, log32, unpack_bits  # noqa: F401
+from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
 
 try:
     import triton

@@ -34,6 +34,24 @@ def _f32_as_i32(typingctx, value):
     return types.int32(types.float32), codegen
 
 
+@intrinsic
+def prefer_512_bit_vectors(typingctx):
+    """Marks the calling function "prefer-vector-width"="512": LLVM then vectorizes its loops with
+    512-bit vectors where the CPU has AVX-512, and as before elsewhere (the attribute is x86's only).
+    LLVM's tuning for Intel cores from Skylake-SP to Rocket Lake and others prefers 256-bit vectors,
+    to spare the clock drop 512-bit instructions once cost. The backward kernels are compute-bound
+    and gain: on a 2-core Intel Xeon with AVX-512 (LLVM host name rocketlake), gelu's backward span
+    0.88 -> 0.75 ns per element in cache, one core. A no-op at run time."""
+
+    def codegen(context, builder, signature, args):
+        # llvmlite's FunctionAttributes.add takes only LLVM's keyword attributes; a key="value"
+        # attribute goes in as the set item it prints, which llvmlite writes out as it is.
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
 # Cody-Waite split of ln 2 and the Cephes expf/logf minimax polynomials (public-domain coefficients).
 _LOG2E, _LN2_HI, _LN2_LO = F(1.4426950408889634), F(0.693359375), F(-2.12194440e-4)
 _EXP_P = (F(1.9875691500e-4), F(1.3981999507e-3), F(8.3334519073e-3), F(4.1665795894e-2),

@@ -76,3 +76,32 @@ def test_packed_bits_give_the_same_dx_as_unpacked_flags(name, n):
     act.cpu.backward_kernel_bits(y.numpy(), _bits.pack(left).numpy(), dy.numpy(), packed.numpy())
     assert torch.equal(packed.isnan(), unpacked.isnan())
     assert torch.equal(packed.nan_to_num(), unpacked.nan_to_num())  # the same kernel: bit for bit
+
+
+# One activation per kernel template codegen prints: monotone, a select between both branches' every
+# piece, and block skipping (the floor family's split branches).
+_EVERY_PIECE = sorted(n for n in TWO_BRANCH if n not in SKIPPING)
+KERNEL_KINDS = {
+    "monotone": sorted(n for n, a in ACTIVATIONS.items() if a.monotone)[:1],
+    "every piece": _EVERY_PIECE[:1],
+    "skipping": SKIPPING[:1],
+}
+
+
+@pytest.mark.parametrize("kind", [k for k, names in KERNEL_KINDS.items() if names])
+def test_backward_span_asks_for_512_bit_vectors(kind):
+    """_backward_span carries "prefer-vector-width"="512" (invact._cpu_math.prefer_512_bit_vectors),
+    and on an AVX-512 host compiles to zmm registers: LLVM's Intel tunings would otherwise pick 256-bit
+    ones. Compiled afresh, without numba's cache (cached code cannot be inspected)."""
+    import numba
+    from llvmlite import binding
+
+    act = ACTIVATIONS[KERNEL_KINDS[kind][0]]
+    span = numba.njit(fastmath=act.cpu._FASTMATH)(act.cpu._backward_span.py_func)
+    y = torch.rand(64).numpy()
+    span(y, y.copy(), y.copy()) if act.monotone else span(y, (y > 0.5).astype("uint8"), y.copy(), y.copy())
+    (signature,) = span.signatures
+    assert '"prefer-vector-width"="512"' in span.inspect_llvm(signature)
+    host_avx512 = "+avx512f" in binding.get_host_cpu_features().flatten() and not numba.config.CPU_NAME
+    if host_avx512:
+        assert "zmm" in span.inspect_asm(signature)
