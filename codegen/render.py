@@ -182,7 +182,6 @@ _NUMBA_COMMON = """
 # compares it with the torch-op backward).
 _FASTMATH = {"contract", "reassoc", "arcp", "afn"}
 _INF, _NAN = np.float32(np.inf), np.float32(np.nan)
-_q_right = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_right_scalar)
 """
 
 _NUMBA_MONOTONE = '''
@@ -208,7 +207,8 @@ def backward_kernel(y, dy, dx):  # pragma: no cover - runs compiled
         _backward_span(y[lo:hi], dy[lo:hi], dx[lo:hi])
 '''
 
-_Q_LEFT_JIT = '_q_left = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_left_scalar)\n'
+# A whole branch as one inlined function, where a kernel evaluates every piece of it.
+_WHOLE_JIT = '_q_{name} = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_{name}_scalar)\n'
 _NUMBA_TWO_BRANCHES = '''{piece_jits}
 # Elements per far-piece check: one AVX-512 vector of fp32 (two AVX2 ones), whose notes (below) are
 # two uint64 words. A branch's far piece runs only in blocks holding an element beyond its split;
@@ -418,18 +418,20 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
     """The backward kernel's source for this coefficient file (see _NUMBA_COMMON); `has_split`: which
     branches _numba_pieces printed near and far pieces for."""
     if c.monotone:
-        return _NUMBA_COMMON + _NUMBA_MONOTONE
+        return _NUMBA_COMMON + _WHOLE_JIT.format(name="right") + _NUMBA_MONOTONE
     if not any(has_split.values()):
-        return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_EVERY_PIECE + _NUMBA_SPANS
+        wholes = _WHOLE_JIT.format(name="right") + _WHOLE_JIT.format(name="left")
+        return _NUMBA_COMMON + wholes + _NUMBA_EVERY_PIECE + _NUMBA_SPANS
     jits, near, notes, passes, tails = [], {}, [], [], []
     if has_split.get("shared"):
         jits.append('_q_near = numba.njit(inline="always", fastmath=_FASTMATH, cache=True)(q_near_scalar)')
     for name in ("left", "right"):
         if not has_split[name]:
             near[name] = f"_q_{name}"
+            jits.append(_WHOLE_JIT.format(name=name).rstrip())
             continue
         near[name] = f"_q_{name}_near"
-        for label in ("near", "far"):
+        for label in ("far",) if has_split.get("shared") else ("near", "far"):
             jits.append(f"_q_{name}_{label} = numba.njit(inline=\"always\", fastmath=_FASTMATH, cache=True)"
                         f"(q_{name}_{label}_scalar)")  # fmt: skip
         bit, split, note = _BRANCH_BIT[name], f"{name.upper()}_SPLIT", _NOTE[name]
@@ -439,7 +441,7 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
     near_q = f"{near['left']}(y[i]) if left else {near['right']}(y[i])"
     if has_split.get("shared"):
         near_q = "_q_near(y[i], left)"
-    return _NUMBA_COMMON + _Q_LEFT_JIT + _NUMBA_TWO_BRANCHES.format(
+    return _NUMBA_COMMON + _NUMBA_TWO_BRANCHES.format(
         piece_jits="\n".join(jits), near_q=near_q, need=" | ".join(notes), far_passes="\n".join(passes),
         tail_passes="\n".join(tails),
     ) + _NUMBA_SPANS  # fmt: skip

@@ -40,8 +40,8 @@ def prefer_512_bit_vectors(typingctx):
     512-bit vectors where the CPU has AVX-512, and as before elsewhere (the attribute is x86's only).
     LLVM's tuning for Intel cores from Skylake-SP to Rocket Lake and others prefers 256-bit vectors,
     to spare the clock drop 512-bit instructions once cost. The backward kernels are compute-bound
-    and gain: on a 2-core Intel Xeon with AVX-512 (LLVM host name rocketlake), gelu's backward span
-    0.88 -> 0.75 ns per element in cache, one core. A no-op at run time."""
+    and gain: on a 2-core Intel Xeon with AVX-512 (LLVM host name rocketlake), the fitted two-branch
+    backward span measured 0.88 -> 0.75 ns per element in cache, one core. A no-op at run time."""
 
     def codegen(context, builder, signature, args):
         # llvmlite's FunctionAttributes.add takes only LLVM's keyword attributes; a key="value"
