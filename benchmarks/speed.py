@@ -228,6 +228,14 @@ def numba_target() -> str:
     return numba.config.CPU_NAME or binding.get_host_cpu_name()
 
 
+def cpu_kernel() -> str:
+    """Which numba backward the fitted two-branch activations run here: the near tables (AVX-512) or
+    the polynomial in g (invact._avx512)."""
+    from invact import _avx512
+
+    return "near tables (AVX-512)" if _avx512.available() else "polynomial in g"
+
+
 def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
     """Per activation of the bare rows: InvAct's CPU backward (bits mode, fp32, `elements`: allocating
     dx, the numba kernel) and the kernel alone (dx given), against a torch pass moving the same bytes
@@ -319,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": version("triton"),
         "numba": version("numba"),
         "numba_target": numba_target() if args.device == "cpu" else None,
+        "cpu_kernel": cpu_kernel() if args.device == "cpu" else None,
         "dtype": args.dtype,
         "settings": {
             "preset": "small" if args.small else args.preset,
@@ -344,6 +353,7 @@ def markdown(result: dict) -> str:
     if has_compile:
         head += ["torch.compile (ms)", "InvAct + torch.compile (ms)", "ratio to torch.compile"]
     target = f", numba compiling for {result['numba_target']}" if result.get("numba_target") else ""
+    target += f", backward by {result['cpu_kernel']}" if result.get("cpu_kernel") else ""
     lines = [f"\n{result['device']}{target}, {result['dtype']}, forward+backward, medians\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in result["rows"]:

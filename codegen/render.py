@@ -21,6 +21,7 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import sympy
 
 from codegen import spec
@@ -290,6 +291,82 @@ def backward_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
         _backward_span(y[lo:hi], flags[: hi - lo], dy[lo:hi], dx[lo:hi])
 '''
 
+# Where codegen printed NEAR_TABLE: the kernels that read it on CPUs with AVX-512, and the choice.
+_NUMBA_TABLE = '''
+
+_near_block = _avx512.near_table(NEAR_TABLE_G, NEAR_TABLE_G_MAX, NEAR_TABLE, (LEFT_SPLIT, RIGHT_SPLIT))
+_LANE_BITS = 0xFFFF  # a block's left far notes; the right ones are the next 16 bits
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _table_span(y, flags, dy, dx, packed):  # pragma: no cover - runs compiled
+    """_backward_span by NEAR_TABLE, block by block of 16 elements: the near pieces of a block in one
+    call of _near_block (invact._avx512), which returns its far notes; then, where a note asks, that
+    branch's far piece for the whole block (vectorized) into `far`, stored on the noted elements alone.
+    The bits: see invact._avx512.branch_word. Inlined into one function per `packed`, a constant there:
+    with both paths in one loop, LLVM kept the table's registers on the stack (measured slower)."""
+    n = y.size
+    far = np.empty(_BLOCK, dtype=np.float32)
+    full = n - n % _BLOCK
+    for lo in range(0, full, _BLOCK):
+        m = _near_block(y, dy, dx, lo, _BLOCK, flags) if packed else _near_block(
+            y, dy, dx, lo, _BLOCK, _avx512.branch_word(flags, lo, _BLOCK, False))
+        if m == 0:
+            continue
+{far_passes}
+    if full < n:  # the partial block: its far pieces element by element
+        count = n - full
+        m = _near_block(y, dy, dx, full, count, _avx512.branch_word(flags, full, count, packed))
+        for j in range(count):
+            i = full + j
+{tail_passes}
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _table_span_flags(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """_table_span with one flag per element."""
+    prefer_512_bit_vectors()
+    _table_span(y, flags, dy, dx, False)
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _table_span_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
+    """_table_span with packed bits."""
+    prefer_512_bit_vectors()
+    _table_span(y, bits, dy, dx, True)
+
+
+@numba.njit(parallel=True, cache=True)
+def table_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """backward_kernel by NEAR_TABLE (AVX-512 only)."""
+    for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
+        _table_span_flags(y[lo:hi], flags[lo:hi], dy[lo:hi], dx[lo:hi])
+
+
+@numba.njit(parallel=True, cache=True)
+def table_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
+    """backward_kernel_bits by NEAR_TABLE (AVX-512 only): nothing unpacked, each block reads its two
+    bytes of bits."""
+    for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
+        lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
+        _table_span_bits(y[lo:hi], bits[lo // 8 : (hi + 7) // 8], dy[lo:hi], dx[lo:hi])
+
+
+polynomial_kernel, polynomial_kernel_bits = backward_kernel, backward_kernel_bits
+# What invact._numba calls: the table where numba compiles for AVX-512, the polynomial in g elsewhere.
+if _avx512.available():
+    backward_kernel, backward_kernel_bits = table_kernel, table_kernel_bits
+'''
+
+_NUMBA_TABLE_FAR_PASS = """        if {notes}:
+            for j in range(_BLOCK):
+                far[j] = _avx512.far_value(_q_{name}_far(y[lo + j]), y[lo + j], dy[lo + j])
+            _avx512.store_lanes(dx, far, lo, {notes})"""
+_NUMBA_TABLE_TAIL_PASS = """            if (({notes}) >> j) & 1:
+                dx[i] = _avx512.far_value(_q_{name}_far(y[i]), y[i], dy[i])"""
+_TABLE_NOTES = {"left": "m & _LANE_BITS", "right": "m >> _BLOCK"}
+
 # The partial block at the end of a span: its far pieces element by element, as its notes ask.
 _NUMBA_TAIL_PASS = """    for i in range(full, n):
         if need[i] & {note} and abs(y[i]) < _INF:
@@ -389,10 +466,96 @@ def _shared_near(left: sympy.Expr, right: sympy.Expr, printer: ScalarPrinter) ->
     return f'def q_near_scalar(y, left):\n    """{doc}"""\n' + "\n".join(lines) + "\n"
 
 
+# The near tables (invact._avx512): each branch's g up to its split in INTERVALS equal intervals, the
+# near piece on each as a polynomial of the lowest degree whose bound meets NEAR_TABLE_BOUND.
+NEAR_TABLE_INTERVALS = 16  # per branch: two branches fill one 32-entry AVX-512 lookup (invact._avx512)
+# 2^-26 = 1.5e-8: an eighth of fp32's half ulp at 1 (q's size on the right branch), so the table's
+# own error stays far below the fp32 evaluation error of the polynomial it stands for (within
+# 2.3e-7 of float64, measured: tests/codegen/test_generated_precision.py).
+NEAR_TABLE_BOUND = 2.0**-26
+NEAR_TABLE_MAX_DEGREE = 8  # a lookup and a multiply-add per coefficient: beyond this, no gain
+_CHEBYSHEV_NODES = 64  # per interval: more than any near piece's degree + 1, so the fit is exact
+
+
+def _sqrt_of_clamped_shift(g: sympy.Expr) -> tuple[float, float, float] | None:
+    """(e1, a, e2) with g = sqrt(max(e1, y + a) + e2) (the floor family's g), else None."""
+    if not (isinstance(g, sympy.Pow) and g.exp == sympy.Rational(1, 2) and g.base.is_Add):
+        return None
+    numbers = [t for t in g.base.args if t.is_Number]
+    clamps = [t for t in g.base.args if isinstance(t, sympy.Max)]
+    if len(numbers) != 1 or len(clamps) != 1 or len(g.base.args) != 2 or len(clamps[0].args) != 2:
+        return None
+    e1 = [t for t in clamps[0].args if t.is_Number]
+    shifted = [t for t in clamps[0].args if not t.is_Number]
+    if len(e1) != 1 or len(shifted) != 1 or not (shifted[0] - spec.Y).is_Number:
+        return None
+    return float(e1[0]), float(shifted[0] - spec.Y), float(numbers[0])
+
+
+def _interval_polynomials(piece, g_max: float, degree: int) -> tuple[list[list[float]], float]:
+    """(coefficients[j][k] of u^k on interval j, bound) for piece(g), g = (j + u) * g_max / INTERVALS,
+    u in [0, 1]: the Chebyshev series of the piece on each interval (exact: it is a polynomial of lower
+    degree than the nodes), cut to `degree` (economization). bound: the largest sum of the cut terms'
+    magnitudes over the intervals, which bounds |cut series - piece| since |T_k| <= 1."""
+    from numpy.polynomial import Chebyshev, Polynomial
+
+    width = g_max / NEAR_TABLE_INTERVALS
+    nodes = (np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES) + 1) / 2  # in [0, 1]
+    rows, bound = [], 0.0
+    for j in range(NEAR_TABLE_INTERVALS):
+        series = Chebyshev.fit(nodes, piece((j + nodes) * width), _CHEBYSHEV_NODES - 1, domain=[0, 1])
+        bound = max(bound, float(np.abs(series.coef[degree + 1 :]).sum()))
+        power = series.truncate(degree + 1).convert(kind=Polynomial, domain=[0, 1], window=[0, 1])
+        rows.append([float(v) for v in np.pad(power.coef, (0, degree + 1 - power.coef.size))])
+    return rows, bound
+
+
+def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> str | None:
+    """The constants invact._avx512.near_table takes, printed: both branches' near pieces as tables
+    (see NEAR_TABLE_INTERVALS), when both are polynomials in affine maps of one
+    g = sqrt(max(e1, y + a) + e2) and a degree up to NEAR_TABLE_MAX_DEGREE meets NEAR_TABLE_BOUND;
+    else None (the kernel then evaluates the polynomial in g on every CPU)."""
+    forms = {name: _affine_polynomial(nears[name]) for name in ("left", "right")}
+    if None in forms.values() or forms["left"][0] != forms["right"][0]:
+        return None
+    g = forms["left"][0]
+    shape = _sqrt_of_clamped_shift(g)
+    if shape is None:
+        return None
+    g_max, pieces = {}, {}
+    for name, (_, scale, shift, coefficients) in forms.items():
+        g_max[name] = float(g.subs(spec.Y, splits[name]))
+        in_t = np.array([float(v) for v in coefficients[::-1]])  # highest degree first, for polyval
+        pieces[name] = lambda v, s=float(scale), h=float(shift), p=in_t: np.polyval(p, s * v + h)
+    for degree in range(1, NEAR_TABLE_MAX_DEGREE + 1):
+        fitted = {name: _interval_polynomials(pieces[name], g_max[name], degree) for name in pieces}
+        bound = max(b for _, b in fitted.values())
+        if bound <= NEAR_TABLE_BOUND:
+            break
+    else:
+        return None
+    columns = fitted["right"][0] + fitted["left"][0]  # interval j: right for j < 16, left for j >= 16
+    rows = "\n".join(f"    ({', '.join(repr(col[k]) for col in columns)}),"
+                     for k in range(degree + 1))  # fmt: skip
+    e1, a, e2 = shape
+    n = NEAR_TABLE_INTERVALS
+    return f"""# The near pieces again, as tables for CPUs with AVX-512 (invact._avx512 says how the kernel
+# reads them): each branch's g from 0 to its split in {n} equal intervals; on interval j the near piece is
+# a polynomial of degree {degree} in u = {n}*g/g_max - j in [0, 1] (its Chebyshev series, cut).
+NEAR_TABLE_G = ({e1!r}, {a!r}, {e2!r})  # g = sqrt(max(e1, y + a) + e2)
+NEAR_TABLE_G_MAX = ({g_max["left"]!r}, {g_max["right"]!r})  # g at the left and the right split
+NEAR_TABLE_BOUND = {bound:.3g}  # |table - near piece|, at most (float64; the cut terms' sum)
+# NEAR_TABLE[k][j]: the coefficient of u^k on interval j: right branch for j < {n}, left beyond.
+NEAR_TABLE = (
+{rows}
+)
+"""
+
+
 def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
     """The near and far piece of each split branch as scalar functions, and each split as a constant
     (NAME_SPLIT); with which branches have one."""
-    blocks, has_split, nears = [], {}, {}
+    blocks, has_split, nears, splits = [], {}, {}, {}
     printer = ScalarPrinter()
     for name, branch in c.branches.items():
         pieces = _split(branch.sympy_expression())
@@ -400,7 +563,7 @@ def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
         if pieces is None:
             continue
         near, far, split = pieces
-        nears[name] = near
+        nears[name], splits[name] = near, split
         constant = f"{name.upper()}_SPLIT"
         blocks.append(f"{constant} = {printer.doprint(split)}  # q_{name}'s near piece below, far from it\n")
         for label, piece, side in (("near", near, "<"), ("far", far, ">=")):
@@ -411,6 +574,10 @@ def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
     has_split["shared"] = shared is not None
     if shared is not None:
         blocks.append(shared)
+    table = _near_table(nears, splits) if shared is not None else None
+    has_split["table"] = table is not None
+    if table is not None:
+        blocks.append(table)
     return "\n\n".join(blocks), has_split
 
 
@@ -441,19 +608,26 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
     near_q = f"{near['left']}(y[i]) if left else {near['right']}(y[i])"
     if has_split.get("shared"):
         near_q = "_q_near(y[i], left)"
-    return _NUMBA_COMMON + _NUMBA_TWO_BRANCHES.format(
+    kernel = _NUMBA_COMMON + _NUMBA_TWO_BRANCHES.format(
         piece_jits="\n".join(jits), near_q=near_q, need=" | ".join(notes), far_passes="\n".join(passes),
         tail_passes="\n".join(tails),
     ) + _NUMBA_SPANS  # fmt: skip
+    if not has_split.get("table"):
+        return kernel
+    far = [_NUMBA_TABLE_FAR_PASS.format(name=name, notes=notes) for name, notes in _TABLE_NOTES.items()]
+    tails = [_NUMBA_TABLE_TAIL_PASS.format(name=name, notes=notes) for name, notes in _TABLE_NOTES.items()]
+    return kernel + _NUMBA_TABLE.format(far_passes="\n".join(far), tail_passes="\n".join(tails))
 
 
-CPU_MATH = ROOT / "invact" / "_cpu_math.py"  # what the numba view calls: a source of every file using it
+# What the numba view calls: sources of every file holding one.
+CPU_RUNTIME = (ROOT / "invact" / "_cpu_math.py", ROOT / "invact" / "_avx512.py")
 
 
-def cpu_math_source() -> tuple[str, str]:
-    """(path, sha256) of invact/_cpu_math.py, for the header of a file holding a numba view: a cached
-    kernel compiled that code in, so an edit there must regenerate the file (which renews the cache)."""
-    return _rel(CPU_MATH), _sha256(CPU_MATH.read_bytes())
+def cpu_runtime_sources() -> list[tuple[str, str]]:
+    """(path, sha256) of each file in CPU_RUNTIME, for the header of a file holding a numba view: a
+    cached kernel compiled their code in, so an edit there must regenerate the file (which renews
+    numba's cache)."""
+    return [(_rel(path), _sha256(path.read_bytes())) for path in CPU_RUNTIME]
 
 
 def _numba_view(c: CoeffFile) -> str:
@@ -473,6 +647,7 @@ import math  # noqa: F401
 import numba
 import numpy as np
 
+from invact import _avx512  # noqa: F401
 from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
 
 
@@ -543,6 +718,7 @@ import numba
 import numpy as np
 import torch
 
+from invact import _avx512  # noqa: F401
 from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
 
 try:
@@ -756,7 +932,7 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
     if missing:  # checked before any table is printed: each reads the activation's entry
         raise ValueError(f"{defaults_name}: {missing[0]!r} has no entry in {spec_name}")
     files = {"__init__.py": render_index(defaults, the_spec, index_sources)}
-    cpu_math = cpu_math_source()
+    cpu_runtime = cpu_runtime_sources()
     generated = {a: entries[a] for a in sorted(defaults)}
     files["modules.py"], files["functional.py"] = render_modules(
         generated, [(spec_name, _sha256(spec_bytes))]
@@ -771,7 +947,7 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
         sources = [(name, _sha256(data))]
         with_spec = [(spec_name, _sha256(spec_bytes)), *sources]
         files[f"{activation}.py"] = render_torch(c, with_spec, entries[activation])
-        files[f"{activation}_cpu.py"] = render_cpu(c, [*sources, cpu_math])
+        files[f"{activation}_cpu.py"] = render_cpu(c, [*sources, *cpu_runtime])
         files[f"{activation}_triton.py"] = render_triton(c, with_spec, entries[activation])
     return files
 

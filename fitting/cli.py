@@ -273,10 +273,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         emitted = None
         if args.emit:
             from codegen.coeffs_json import loads
-            from codegen.render import cpu_math_source, render_emitted
+            from codegen.render import cpu_runtime_sources, render_emitted
 
             sources = [(out.as_posix(), hashlib.sha256(text.encode("utf-8")).hexdigest())]
-            sources.append(cpu_math_source())
+            sources.extend(cpu_runtime_sources())
             command = f"invact-fit {args.activation} --expr {args.expr!r} --family {args.family} --emit"
             emitted = render_emitted(loads(text, out), entry, sources, command)
         regenerate = None

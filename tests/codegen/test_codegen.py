@@ -48,11 +48,11 @@ def _source_line(path) -> str:
 
 def test_headers_name_the_sources_and_their_sha256():
     spec = _source_line(ROOT / "coeffs" / "activations.json")
-    cpu_math = _source_line(ROOT / "invact" / "_cpu_math.py")
+    cpu_runtime = [_source_line(ROOT / "invact" / name) for name in ("_cpu_math.py", "_avx512.py")]
     for path in DEFAULT_FILES:
         # the torch and Triton modules print views of the spec entry too; the numba one only q, and
-        # names the scalar math its cached kernel compiled in (an edit there regenerates it)
-        for suffix, want in (("", [spec, _source_line(path)]), ("_cpu", [_source_line(path), cpu_math]),
+        # names the runtime code its cached kernels compile in (an edit there regenerates it)
+        for suffix, want in (("", [spec, _source_line(path)]), ("_cpu", [_source_line(path), *cpu_runtime]),
                              ("_triton", [spec, _source_line(path)])):  # fmt: skip
             lines = (GENERATED / f"{path.parent.name}{suffix}.py").read_text().splitlines()
             assert [line for line in lines if line.startswith("# source: ")] == want

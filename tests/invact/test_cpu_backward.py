@@ -1,7 +1,8 @@
-"""The numba backward kernel (invact/_generated/<act>_cpu.py). Its block skipping (_backward_span):
-each element gets its own branch's piece whichever block and span it lies in, whether the far pieces
-run in its block or not, and in the partial block at the end. Its packed-bits entry
-(backward_kernel_bits): the same dx as with the flags unpacked, at every size and span boundary."""
+"""The numba backward kernels (invact/_generated/<act>_cpu.py), both where a file has two: the
+polynomial in g (_backward_span) and, on CPUs with AVX-512, the near tables (_table_span). Their block
+skipping: each element gets its own branch's piece whichever block and span it lies in, whether the
+far pieces run in its block or not, and in the partial block at the end. Their packed-bits entry:
+the same dx as with the flags unpacked, at every size and span boundary."""
 
 import math
 
@@ -10,7 +11,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from invact import _bits, _portable  # noqa: E402
+from invact import _avx512, _bits, _portable  # noqa: E402
 from invact.activations import ACTIVATIONS  # noqa: E402
 
 # The activations whose kernel skips far pieces: the floor family's two-branch forms (codegen prints
@@ -19,6 +20,33 @@ SKIPPING = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone and hasatt
 # Two fp32 evaluations of one formula, each within 1e-6 of it (tests/codegen/test_generated_precision.py).
 FP32_TWO_EVALUATIONS = 2e-6
 FAR_X = 6.0  # beyond every split: y -> 0- on the left branch, y = x past the largest right split (4)
+
+
+# The kernel pairs (flags, packed bits) a numba view can hold: the tables only where codegen printed
+# them (NEAR_TABLE) and numba compiles for AVX-512; elsewhere that case is skipped, not dropped.
+KERNELS = {
+    "polynomial": ("polynomial_kernel", "polynomial_kernel_bits"),
+    "table": ("table_kernel", "table_kernel_bits"),
+}
+
+
+def _with_variants(names: list[str]) -> list[tuple[str, str]]:
+    """(activation, kernel variant) pairs: the table wherever codegen printed one."""
+    return [
+        (n, v)
+        for n in names
+        for v in KERNELS
+        if v == "polynomial" or hasattr(ACTIVATIONS[n].cpu, "NEAR_TABLE")
+    ]
+
+
+def _kernels(name: str, variant: str):
+    module = ACTIVATIONS[name].cpu
+    if not hasattr(module, "NEAR_TABLE"):  # the only kernel, not renamed
+        return module.backward_kernel, module.backward_kernel_bits
+    if variant == "table" and not _avx512.available():
+        pytest.skip("numba does not compile for AVX-512 here")
+    return tuple(getattr(module, entry) for entry in KERNELS[variant])
 
 
 def _span(name: str) -> tuple[int, int]:
@@ -41,8 +69,9 @@ def _inputs(name: str, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100, "two spans and a partial block"])
-@pytest.mark.parametrize("name", SKIPPING)
-def test_every_element_gets_its_piece(name, n):
+@pytest.mark.parametrize(("name", "variant"), _with_variants(SKIPPING))
+def test_every_element_gets_its_piece(name, n, variant):
+    kernel, _ = _kernels(name, variant)
     block, span = _span(name)
     n = 2 * span + block + 5 if isinstance(n, str) else n
     act = ACTIVATIONS[name]
@@ -50,7 +79,7 @@ def test_every_element_gets_its_piece(name, n):
     y, dy = act.torch_forward(x), torch.randn(n, generator=torch.Generator().manual_seed(0))
     left = _bits.is_left(x, act.threshold)
     dx = torch.empty(n)
-    act.cpu.backward_kernel(y.numpy(), left.to(torch.uint8).numpy(), dy.numpy(), dx.numpy())
+    kernel(y.numpy(), left.to(torch.uint8).numpy(), dy.numpy(), dx.numpy())
     want = _portable.backward(act, y, _bits.pack(left), dy, False)
     assert torch.equal(dx.isnan(), want.isnan())
     finite = ~want.isnan()
@@ -61,8 +90,9 @@ TWO_BRANCH = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone)
 
 
 @pytest.mark.parametrize("n", [1, 7, 9, "a span less 3", "a span and 13", "two spans and 5"])
-@pytest.mark.parametrize("name", TWO_BRANCH)
-def test_packed_bits_give_the_same_dx_as_unpacked_flags(name, n):
+@pytest.mark.parametrize(("name", "variant"), _with_variants(TWO_BRANCH))
+def test_packed_bits_give_the_same_dx_as_unpacked_flags(name, n, variant):
+    flags_kernel, bits_kernel = _kernels(name, variant)
     span = ACTIVATIONS[name].cpu._SPAN
     sizes = {"a span less 3": span - 3, "a span and 13": span + 13, "two spans and 5": 2 * span + 5}
     n = sizes.get(n, n)
@@ -72,8 +102,8 @@ def test_packed_bits_give_the_same_dx_as_unpacked_flags(name, n):
     y, dy = act.torch_forward(x), torch.randn(n, generator=torch.Generator().manual_seed(1))
     left = _bits.is_left(x, act.threshold)
     unpacked, packed = torch.empty(n), torch.empty(n)
-    act.cpu.backward_kernel(y.numpy(), left.to(torch.uint8).numpy(), dy.numpy(), unpacked.numpy())
-    act.cpu.backward_kernel_bits(y.numpy(), _bits.pack(left).numpy(), dy.numpy(), packed.numpy())
+    flags_kernel(y.numpy(), left.to(torch.uint8).numpy(), dy.numpy(), unpacked.numpy())
+    bits_kernel(y.numpy(), _bits.pack(left).numpy(), dy.numpy(), packed.numpy())
     assert torch.equal(packed.isnan(), unpacked.isnan())
     assert torch.equal(packed.nan_to_num(), unpacked.nan_to_num())  # the same kernel: bit for bit
 
@@ -105,3 +135,38 @@ def test_backward_span_asks_for_512_bit_vectors(kind):
     host_avx512 = "+avx512f" in binding.get_host_cpu_features().flatten() and not numba.config.CPU_NAME
     if host_avx512:
         assert "zmm" in span.inspect_asm(signature)
+
+
+def test_the_kernel_invact_calls_is_the_table_exactly_where_numba_compiles_for_avx512():
+    for name in SKIPPING:
+        module = ACTIVATIONS[name].cpu
+        table = hasattr(module, "NEAR_TABLE") and _avx512.available()
+        assert (module.backward_kernel is getattr(module, "table_kernel", None)) == table, name
+        assert (module.backward_kernel_bits is getattr(module, "table_kernel_bits", None)) == table, name
+
+
+@pytest.mark.parametrize(
+    ("cpu_name", "features", "host", "want"),
+    [
+        (None, "", "+avx2,+avx512f", True),  # the host's features
+        (None, "", "+avx2,-avx512f", False),
+        ("haswell", "", "+avx2,+avx512f", False),  # a named CPU counts only with its features named
+        ("skylake-avx512", "+avx2,+avx512f", "+avx2,-avx512f", True),
+    ],
+)
+def test_avx512_follows_the_cpu_numba_compiles_for(monkeypatch, cpu_name, features, host, want):
+    from llvmlite import binding
+    from numba.core import config
+
+    class _Features:
+        def flatten(self):
+            return host
+
+    monkeypatch.setattr(config, "CPU_NAME", cpu_name)
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+    monkeypatch.setattr(binding, "get_host_cpu_features", lambda: _Features())
+    _avx512.available.cache_clear()
+    try:
+        assert _avx512.available() is want
+    finally:
+        _avx512.available.cache_clear()

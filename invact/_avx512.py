@@ -1,0 +1,226 @@
+"""The near pieces of a two-branch backward by table lookup in AVX-512 registers, for the numba
+kernels printed into invact/_generated/<act>_cpu.py.
+
+Where both branches' near pieces are polynomials in one g = sqrt(max(e1, y + a) + e2) (the floor
+family's forms), codegen also prints them as tables: each branch's range of g up to its split is cut
+into 16 equal intervals, and on each the piece is a low-degree polynomial in the interval's own
+u = 16 g / g_max - j in [0, 1] (NEAR_TABLE in the generated file, with its bound). One 32-entry
+lookup (vpermi2ps: 16 right intervals, 16 left ones, indexed by interval and bit) fetches each
+coefficient for 16 elements in one instruction, so a block costs a square root, one lookup and one
+multiply-add per coefficient (degree 5 for gelu: 6 lookups), where the polynomial in g needs a blend
+and a multiply-add per coefficient of degree 14. numba's loop vectorizer cannot emit such a lookup
+(a table indexed per element becomes a gather, or scalar code), so `near_table` writes the block's
+vector code itself, as LLVM IR, in a numba intrinsic.
+
+Only where numba compiles for a CPU with AVX-512F (`available`); elsewhere the kernels keep the
+polynomial in g. The IR here is compiled into each cached kernel: codegen names this file, with its
+sha256, in the header of every generated file that uses it, so an edit regenerates them (and renews
+numba's cache).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils, config
+from numba.core.errors import TypingError
+from numba.core.extending import intrinsic
+
+LANES = 16  # fp32 lanes of one 512-bit vector: a block
+INTERVALS = 16  # per branch: the two branches' coefficient k fill the 32 entries of one vpermi2ps
+
+_F32 = ir.FloatType()
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_VF, _VI = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
+_VB = ir.VectorType(ir.IntType(1), LANES)
+
+
+@functools.cache
+def available() -> bool:
+    """numba compiles for a CPU with AVX-512F: the host's, or the one NUMBA_CPU_NAME names, whose
+    features then count only where NUMBA_CPU_FEATURES lists them (say haswell: no)."""
+    from llvmlite import binding
+
+    if config.CPU_NAME:
+        return "+avx512f" in (config.CPU_FEATURES or "")
+    return "+avx512f" in (config.CPU_FEATURES or binding.get_host_cpu_features().flatten())
+
+
+def _splat(value: float) -> ir.Constant:
+    return ir.Constant(_VF, [float(np.float32(value))] * LANES)
+
+
+def near_table(
+    g: tuple[float, float, float],
+    g_max: tuple[float, float],
+    table: tuple[tuple[float, ...], ...],
+    splits: tuple[float, float],
+):
+    """A numba intrinsic `near_block(y, dy, dx, start, count, bits) -> int64` for one block of up to 16
+    elements from `start` (`count` of them; the rest of the vector is masked off, nothing is read or
+    written past it): dx = dy * near(y, bit), NaN where y is +-inf or NaN. `bits`: the branch bits
+    (1: left) as an integer whose bit i is element start + i's, or the packed bits array itself (uint8,
+    LSB first), whose two bytes at start / 8 the block then reads (a whole block: count = 16).
+    Returns the far notes: bit i (left) or 16 + i (right) where element start + i lies at or beyond
+    its branch's split, or is +-inf, so that the far piece must overwrite dx there (see `far_value`).
+
+    g = sqrt(max(e1, y + a) + e2) for g = (e1, a, e2); g_max = (left, right): each branch's g at its
+    split; table[k][j]: coefficient of u^k on interval j, right branch for j < 16, left for j >= 16;
+    splits = (left, right)."""
+    e1, a, e2 = g
+    if any(len(row) != 2 * INTERVALS for row in table):
+        raise ValueError(f"each table row needs {2 * INTERVALS} entries (two branches' intervals)")
+    rows = [(ir.Constant(_VF, [float(np.float32(v)) for v in row[:INTERVALS]]),
+             ir.Constant(_VF, [float(np.float32(v)) for v in row[INTERVALS:]])) for row in table]  # fmt: skip
+    steps = tuple(INTERVALS / m for m in g_max)  # intervals per unit of g
+
+    @intrinsic
+    def near_block(typingctx, y, dy, dx, start, count, bits):
+        _check_arrays(y, dy, dx)
+        packed = isinstance(bits, types.Array)
+        if packed and not (bits.dtype == types.uint8 and bits.ndim == 1 and bits.layout == "C"):
+            raise TypingError("near_block reads packed bits from a contiguous 1-D uint8 array")
+
+        def codegen(context, builder, signature, args):
+            def data(i):
+                return context.make_array(signature.args[i])(context, builder, args[i]).data
+
+            start, count = args[3], args[4]
+            module = builder.module
+
+            def function(name, n):
+                return cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF] * n), name)
+
+            sqrt, fma = function("llvm.sqrt.v16f32", 1), function("llvm.fma.v16f32", 3)
+            permute = cgutils.get_or_insert_function(
+                module, ir.FunctionType(_VF, [_VF, _VI, _VF]), "llvm.x86.avx512.vpermi2var.ps.512"
+            )
+            masked_load, masked_store = _masked_load(module), _masked_store(module)
+
+            def at(i):
+                return builder.bitcast(builder.gep(data(i), [start]), _VF.as_pointer())
+
+            # count is a constant 16 in a whole block's call: the masks fold away and the loads are plain
+            lanes = builder.icmp_unsigned("<", ir.Constant(_VI, list(range(LANES))),
+                                          _broadcast(builder, builder.trunc(count, _I32)))  # fmt: skip
+            align = ir.Constant(_I32, 4)
+            yv = builder.call(masked_load, [at(0), align, lanes, _splat(0.0)])
+            dyv = builder.call(masked_load, [at(1), align, lanes, _splat(0.0)])
+            if packed:
+                byte = builder.gep(data(5), [builder.lshr(start, ir.Constant(_I64, 3))])
+                word = builder.load(builder.bitcast(byte, ir.IntType(LANES).as_pointer()), align=1)
+            else:
+                word = builder.trunc(args[5], ir.IntType(LANES))
+            left = builder.bitcast(word, _VB)
+
+            def pick(on_left: float, on_right: float):
+                return builder.select(left, _splat(on_left), _splat(on_right))
+
+            # g as the scalar functions compute it (a compare and select is one vmaxps; llvm.maxnum's NaN
+            # rule would cost a fix-up). Not clamped to g_max: past the split u exceeds 1 and the value
+            # is garbage, possibly inf, which the far piece overwrites.
+            shifted = builder.fadd(yv, _splat(a))
+            clamped = builder.select(builder.fcmp_ordered(">", shifted, _splat(e1)), shifted, _splat(e1))
+            gv = builder.call(sqrt, [builder.fadd(clamped, _splat(e2))])
+            scaled = builder.fmul(gv, pick(*steps))
+            j = builder.fptosi(scaled, _VI)  # truncation: the interval; 16 at g_max itself, so at most 15:
+            last = ir.Constant(_VI, [INTERVALS - 1] * LANES)
+            j = builder.select(builder.icmp_signed("<", j, last), j, last)
+            u = builder.fsub(scaled, builder.sitofp(j, _VF))  # exact where j <= scaled <= 2j (Sterbenz)
+            index = builder.or_(j, builder.select(left, ir.Constant(_VI, [INTERVALS] * LANES),
+                                                  ir.Constant(_VI, [0] * LANES)))  # fmt: skip
+            right_rows, left_rows = zip(*rows, strict=True)
+            c = [builder.call(permute, [r, index, lo]) for r, lo in zip(right_rows, left_rows, strict=True)]
+            q = c[-1]
+            for ck in reversed(c[:-1]):  # Horner in u
+                q = builder.call(fma, [q, u, ck])
+            # y - y is 0 for finite y and NaN for +-inf and NaN (IEEE; no fast-math flag here lets LLVM
+            # fold it): NaN as torch gives there, one subtraction and one addition.
+            q = builder.fadd(q, builder.fsub(yv, yv))
+            builder.call(masked_store, [builder.fmul(dyv, q), at(2), align, lanes])
+            far = builder.and_(builder.fcmp_ordered(">=", yv, pick(*splits)), lanes)
+            notes_left = builder.zext(builder.bitcast(builder.and_(far, left), ir.IntType(LANES)), _I64)
+            notes_right = builder.zext(
+                builder.bitcast(builder.and_(far, builder.not_(left)), ir.IntType(LANES)), _I64
+            )
+            return builder.or_(notes_left, builder.shl(notes_right, ir.Constant(_I64, LANES)))
+
+        return types.int64(y, dy, dx, types.int64, types.int64, bits), codegen
+
+    return near_block
+
+
+@numba.njit(inline="always", fastmath={"contract", "reassoc", "arcp", "afn"})
+def far_value(q, y, dy):  # pragma: no cover - runs compiled
+    """dy * q for a far piece's value q at y, NaN where y is +-inf (noted by near_block like any
+    element past the split) or NaN: y - y is 0 for finite y, NaN otherwise (these flags let LLVM
+    reassociate and contract, not assume finite values, so it stays)."""
+    return dy * (q + (y - y))
+
+
+def _masked_load(module: ir.Module) -> ir.Function:
+    return cgutils.get_or_insert_function(
+        module, ir.FunctionType(_VF, [_VF.as_pointer(), _I32, _VB, _VF]), "llvm.masked.load.v16f32.p0"
+    )
+
+
+def _masked_store(module: ir.Module) -> ir.Function:
+    return cgutils.get_or_insert_function(
+        module,
+        ir.FunctionType(ir.VoidType(), [_VF, _VF.as_pointer(), _I32, _VB]),
+        "llvm.masked.store.v16f32.p0",
+    )
+
+
+def _check_arrays(*arrays) -> None:
+    for array in arrays:
+        if not (isinstance(array, types.Array) and array.dtype == types.float32 and array.ndim == 1
+                and array.layout == "C"):  # fmt: skip
+            raise TypingError("takes contiguous 1-D float32 arrays")
+
+
+@intrinsic
+def store_lanes(typingctx, dst, src, start, mask):
+    """dst[start + i] = src[i] for each i < 16 whose bit i of `mask` is set; nothing else is read or
+    written (one masked vector store). How a block's far pieces, computed for all 16 elements in a
+    vectorized loop, land on the elements that need them: numba's loop vectorizer gives up on a loop
+    that stores a select between the new value and dx's own (measured: scalar code)."""
+    _check_arrays(dst, src)
+
+    def codegen(context, builder, signature, args):
+        def data(i):
+            return context.make_array(signature.args[i])(context, builder, args[i]).data
+
+        target = builder.bitcast(builder.gep(data(0), [args[2]]), _VF.as_pointer())
+        source = builder.bitcast(data(1), _VF.as_pointer())
+        lanes = builder.bitcast(builder.trunc(args[3], ir.IntType(LANES)), _VB)
+        align = ir.Constant(_I32, 4)
+        values = builder.call(_masked_load(builder.module), [source, align, lanes, _splat(0.0)])
+        builder.call(_masked_store(builder.module), [values, target, align, lanes])
+        return context.get_dummy_value()
+
+    return types.none(dst, src, types.int64, types.int64), codegen
+
+
+@numba.njit(inline="always")
+def branch_word(flags, lo, count, packed):  # pragma: no cover - runs compiled
+    """The branch bits of elements lo .. lo + count - 1 (count <= 16) as one integer, element lo + i at
+    bit i: from bytes of packed bits (LSB first; lo a multiple of 8) where `packed`, else from
+    flags[lo + i] & 1 (one flag per element: uint8, or y's int32 view in precision-bit mode)."""
+    if packed:
+        word = np.int64(flags[lo // 8])
+        return word | (np.int64(flags[lo // 8 + 1]) << 8) if count > 8 else word
+    word = np.int64(0)
+    for j in range(count):
+        word |= (np.int64(flags[lo + j]) & 1) << j
+    return word
+
+
+def _broadcast(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """An i32 in every lane of a 16-lane vector."""
+    vector = builder.insert_element(ir.Constant(_VI, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vector, ir.Constant(_VI, ir.Undefined), ir.Constant(_VI, [0] * LANES))
