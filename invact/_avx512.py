@@ -7,10 +7,10 @@ into 16 equal intervals, and on each the piece is a low-degree polynomial in the
 u = 16 g / g_max - j in [0, 1] (NEAR_TABLE in the generated file, with its bound). One 32-entry
 lookup (vpermi2ps: 16 right intervals, 16 left ones, indexed by interval and bit) fetches each
 coefficient for 16 elements in one instruction, so a block costs a square root, one lookup and one
-multiply-add per coefficient (degree 5 at most for the committed fits: 6 lookups), where the polynomial in g needs a blend
-and a multiply-add per coefficient of degree 14. numba's loop vectorizer cannot emit such a lookup
-(a table indexed per element becomes a gather, or scalar code), so `near_table` writes the block's
-vector code itself, as LLVM IR, in a numba intrinsic.
+multiply-add per coefficient (degree 5 at most for the committed fits: 6 lookups), where the
+polynomial in g needs a blend and a multiply-add per coefficient of degree 14. numba's loop
+vectorizer cannot emit such a lookup (a table indexed per element becomes a gather, or scalar code),
+so `near_table` writes the block's vector code itself, as LLVM IR, in a numba intrinsic.
 
 Only where numba compiles for a CPU with AVX-512F (`available`); elsewhere the kernels keep the
 polynomial in g. The IR here is compiled into each cached kernel: codegen names this file, with its
