@@ -311,7 +311,7 @@ def _table_span(y, flags, dy, dx, packed):  # pragma: no cover - runs compiled
     for lo in range(0, full, _BLOCK):
         m = _near_block(y, dy, dx, lo, _BLOCK, flags) if packed else _near_block(
             y, dy, dx, lo, _BLOCK, _avx512.branch_word(flags, lo, _BLOCK, False))
-        if m == 0:
+        if not _avx512.rarely(m):
             continue
 {far_passes}
     if full < n:  # the partial block: its far pieces element by element

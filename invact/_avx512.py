@@ -224,3 +224,17 @@ def _broadcast(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     """An i32 in every lane of a 16-lane vector."""
     vector = builder.insert_element(ir.Constant(_VI, ir.Undefined), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(vector, ir.Constant(_VI, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+
+
+@intrinsic
+def rarely(typingctx, value):
+    """value != 0, hinted to LLVM as rarely true (llvm.expect)."""
+
+    def codegen(context, builder, signature, args):
+        nonzero = builder.icmp_unsigned("!=", args[0], ir.Constant(args[0].type, 0))
+        expect = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(1), [ir.IntType(1), ir.IntType(1)]), "llvm.expect.i1"
+        )
+        return builder.call(expect, [nonzero, ir.Constant(ir.IntType(1), 0)])
+
+    return types.boolean(value), codegen
