@@ -469,7 +469,7 @@ def _shared_near(left: sympy.Expr, right: sympy.Expr, printer: ScalarPrinter) ->
 # The near tables (invact._avx512): each branch's g up to its split in INTERVALS equal intervals, the
 # near piece on each as a polynomial of the lowest degree whose bound meets NEAR_TABLE_BOUND.
 NEAR_TABLE_INTERVALS = 16  # per branch: two branches fill one 32-entry AVX-512 lookup (invact._avx512)
-# 2^-26 = 1.5e-8: an eighth of fp32's half ulp at 1 (q's size on the right branch), so the table's
+# 2^-26 = 1.5e-8: a quarter of fp32's half ulp at 1 (2^-24; q's size on the right branch), so the table's
 # own error stays far below the fp32 evaluation error of the polynomial it stands for (within
 # 2.3e-7 of float64, measured: tests/codegen/test_generated_precision.py).
 NEAR_TABLE_BOUND = 2.0**-26

@@ -66,7 +66,8 @@ def near_table(
     (1: left) as an integer whose bit i is element start + i's, or the packed bits array itself (uint8,
     LSB first), whose two bytes at start / 8 the block then reads (a whole block: count = 16).
     Returns the far notes: bit i (left) or 16 + i (right) where element start + i lies at or beyond
-    its branch's split, or is +-inf, so that the far piece must overwrite dx there (see `far_value`).
+    its branch's split (+inf included), so that the far piece must overwrite dx there (see
+    `far_value`); -inf and NaN are not noted, their near value is already NaN.
 
     g = sqrt(max(e1, y + a) + e2) for g = (e1, a, e2); g_max = (left, right): each branch's g at its
     split; table[k][j]: coefficient of u^k on interval j, right branch for j < 16, left for j >= 16;
@@ -80,7 +81,7 @@ def near_table(
 
     @intrinsic
     def near_block(typingctx, y, dy, dx, start, count, bits):
-        _check_arrays(y, dy, dx)
+        _check_arrays("near_block", y, dy, dx)
         packed = isinstance(bits, types.Array)
         if packed and not (bits.dtype == types.uint8 and bits.ndim == 1 and bits.layout == "C"):
             raise TypingError("near_block reads packed bits from a contiguous 1-D uint8 array")
@@ -176,11 +177,11 @@ def _masked_store(module: ir.Module) -> ir.Function:
     )
 
 
-def _check_arrays(*arrays) -> None:
+def _check_arrays(name: str, *arrays) -> None:
     for array in arrays:
         if not (isinstance(array, types.Array) and array.dtype == types.float32 and array.ndim == 1
                 and array.layout == "C"):  # fmt: skip
-            raise TypingError("takes contiguous 1-D float32 arrays")
+            raise TypingError(f"{name} takes contiguous 1-D float32 arrays, not {array}")
 
 
 @intrinsic
@@ -189,7 +190,7 @@ def store_lanes(typingctx, dst, src, start, mask):
     written (one masked vector store). How a block's far pieces, computed for all 16 elements in a
     vectorized loop, land on the elements that need them: numba's loop vectorizer gives up on a loop
     that stores a select between the new value and dx's own (measured: scalar code)."""
-    _check_arrays(dst, src)
+    _check_arrays("store_lanes", dst, src)
 
     def codegen(context, builder, signature, args):
         def data(i):
