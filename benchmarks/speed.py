@@ -220,20 +220,25 @@ BANDWIDTH_ROUNDS = 61
 
 
 def numba_target() -> str:
-    """The CPU numba compiles the kernels for: NUMBA_CPU_NAME if set (say haswell, for AVX2 code on an
-    AVX-512 machine), else the host's."""
+    """The CPU numba compiles the kernels for: NUMBA_CPU_NAME if set (say haswell, with
+    NUMBA_CPU_FEATURES=+avx2,+fma for AVX2 code on an AVX-512 machine), else the host's; with the
+    features NUMBA_CPU_FEATURES names, where it is set."""
     import numba
     from llvmlite import binding
 
-    return numba.config.CPU_NAME or binding.get_host_cpu_name()
+    name = numba.config.CPU_NAME or binding.get_host_cpu_name()
+    features = numba.config.CPU_FEATURES
+    return f"{name} ({features})" if features is not None else name
 
 
 def cpu_kernel() -> str:
-    """Which numba backward the fitted two-branch activations run here: the near tables (AVX-512) or
-    the polynomial in g (invact._avx512)."""
-    from invact import _avx512
+    """Which numba backward the fitted two-branch activations run here: the near tables of the
+    instruction set numba compiles for (invact._lookup), or the polynomial in g."""
+    from invact import _lookup
 
-    return "near tables (AVX-512)" if _avx512.available() else "polynomial in g"
+    names = {"avx512": "AVX-512", "avx2": "AVX2"}
+    isa = _lookup.instruction_set()
+    return f"near tables ({names[isa]})" if isa else "polynomial in g"
 
 
 def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -291,80 +292,91 @@ def backward_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
         _backward_span(y[lo:hi], flags[: hi - lo], dy[lo:hi], dx[lo:hi])
 '''
 
-# Where codegen printed NEAR_TABLE: the kernels that read it on CPUs with AVX-512, and the choice.
+# Where codegen printed NEAR_TABLE_<ISA>: the kernels that read it, for each such instruction set.
+_NUMBA_LANE_BITS = (
+    "\n\n_LANE_BITS = 0xFFFF  # a block's left far notes; the right ones are the next 16 bits\n"
+)
 _NUMBA_TABLE = '''
 
-_near_block = _avx512.near_table(NEAR_TABLE_G, NEAR_TABLE_G_MAX, NEAR_TABLE, (LEFT_SPLIT, RIGHT_SPLIT))
-_LANE_BITS = 0xFFFF  # a block's left far notes; the right ones are the next 16 bits
+_near_block_{isa} = _lookup.near_table(
+    NEAR_TABLE_G, NEAR_TABLE_G_MAX, NEAR_TABLE_{ISA}, (LEFT_SPLIT, RIGHT_SPLIT), NEAR_TABLE_{ISA}_INTERVALS
+)
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
-def _table_span(y, flags, dy, dx, packed):  # pragma: no cover - runs compiled
-    """_backward_span by NEAR_TABLE, block by block of 16 elements: the near pieces of a block in one
-    call of _near_block (invact._avx512), which returns its far notes; then, where a note asks, that
-    branch's far piece for the whole block (vectorized) into `far`, stored on the noted elements alone.
-    The bits: see invact._avx512.branch_word. Inlined into one function per `packed`, a constant there:
-    with both paths in one loop, LLVM kept the table's registers on the stack (measured slower)."""
+def _table_span_{isa}(y, flags, dy, dx, packed):  # pragma: no cover - runs compiled
+    """_backward_span by NEAR_TABLE_{ISA}, block by block of 16 elements: the near pieces of a block in
+    one call of _near_block_{isa} (invact._lookup), which returns its far notes; then, where a note asks,
+    that branch's far piece for the whole block (vectorized) into `far`, stored on the noted elements
+    alone. The bits: see invact._lookup.branch_word. Inlined into one function per `packed`, a constant
+    there: with both paths in one loop, LLVM kept the table's registers on the stack (measured slower)."""
     n = y.size
     far = np.empty(_BLOCK, dtype=np.float32)
     full = n - n % _BLOCK
     for lo in range(0, full, _BLOCK):
-        m = _near_block(y, dy, dx, lo, _BLOCK, flags) if packed else _near_block(
-            y, dy, dx, lo, _BLOCK, _avx512.branch_word(flags, lo, _BLOCK, False))
-        if not _avx512.rarely(m):
+        m = _near_block_{isa}(y, dy, dx, lo, _BLOCK, flags) if packed else _near_block_{isa}(
+            y, dy, dx, lo, _BLOCK, _lookup.branch_word(flags, lo, _BLOCK, False))
+        if not _lookup.rarely(m):
             continue
 {far_passes}
     if full < n:  # the partial block: its far pieces element by element
         count = n - full
-        m = _near_block(y, dy, dx, full, count, _avx512.branch_word(flags, full, count, packed))
+        m = _near_block_{isa}(y, dy, dx, full, count, _lookup.branch_word(flags, full, count, packed))
         for j in range(count):
             i = full + j
 {tail_passes}
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _table_span_flags(y, flags, dy, dx):  # pragma: no cover - runs compiled
-    """_table_span with one flag per element."""
+def _table_span_flags_{isa}(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """_table_span_{isa} with one flag per element."""
     prefer_512_bit_vectors()
-    _table_span(y, flags, dy, dx, False)
+    _table_span_{isa}(y, flags, dy, dx, False)
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _table_span_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
-    """_table_span with packed bits."""
+def _table_span_bits_{isa}(y, bits, dy, dx):  # pragma: no cover - runs compiled
+    """_table_span_{isa} with packed bits."""
     prefer_512_bit_vectors()
-    _table_span(y, bits, dy, dx, True)
+    _table_span_{isa}(y, bits, dy, dx, True)
 
 
 @numba.njit(parallel=True, cache=True)
-def table_kernel(y, flags, dy, dx):  # pragma: no cover - runs compiled
-    """backward_kernel by NEAR_TABLE (AVX-512 only)."""
+def table_kernel_{isa}(y, flags, dy, dx):  # pragma: no cover - runs compiled
+    """backward_kernel by NEAR_TABLE_{ISA} (needs {needs})."""
     for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
         lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
-        _table_span_flags(y[lo:hi], flags[lo:hi], dy[lo:hi], dx[lo:hi])
+        _table_span_flags_{isa}(y[lo:hi], flags[lo:hi], dy[lo:hi], dx[lo:hi])
 
 
 @numba.njit(parallel=True, cache=True)
-def table_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
-    """backward_kernel_bits by NEAR_TABLE (AVX-512 only): nothing unpacked, each block reads its two
-    bytes of bits."""
+def table_kernel_bits_{isa}(y, bits, dy, dx):  # pragma: no cover - runs compiled
+    """backward_kernel_bits by NEAR_TABLE_{ISA} (needs {needs}): nothing unpacked, each block reads its
+    two bytes of bits."""
     for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
         lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
-        _table_span_bits(y[lo:hi], bits[lo // 8 : (hi + 7) // 8], dy[lo:hi], dx[lo:hi])
-
+        _table_span_bits_{isa}(y[lo:hi], bits[lo // 8 : (hi + 7) // 8], dy[lo:hi], dx[lo:hi])
+'''
+# After the table kernels: which kernel invact._numba calls.
+_NUMBA_TABLE_CHOICE = """
 
 polynomial_kernel, polynomial_kernel_bits = backward_kernel, backward_kernel_bits
-# What invact._numba calls: the table where numba compiles for AVX-512, the polynomial in g elsewhere.
-if _avx512.available():
-    backward_kernel, backward_kernel_bits = table_kernel, table_kernel_bits
-'''
+# The table kernels by the instruction set they need; what invact._numba calls is the one for the
+# instruction set numba compiles for, or the polynomial in g without one.
+TABLE_KERNELS = {{
+{kernels}
+}}
+if _lookup.instruction_set() in TABLE_KERNELS:
+    backward_kernel, backward_kernel_bits = TABLE_KERNELS[_lookup.instruction_set()]
+"""
+_TABLE_NEEDS = {"avx512": "AVX-512F", "avx2": "AVX2"}
 
 _NUMBA_TABLE_FAR_PASS = """        if {notes}:
             for j in range(_BLOCK):
-                far[j] = _avx512.far_value(_q_{name}_far(y[lo + j]), y[lo + j], dy[lo + j])
-            _avx512.store_lanes(dx, far, lo, {notes})"""
+                far[j] = _lookup.far_value(_q_{name}_far(y[lo + j]), y[lo + j], dy[lo + j])
+            _lookup.store_lanes(dx, far, lo, {notes})"""
 _NUMBA_TABLE_TAIL_PASS = """            if (({notes}) >> j) & 1:
-                dx[i] = _avx512.far_value(_q_{name}_far(y[i]), y[i], dy[i])"""
+                dx[i] = _lookup.far_value(_q_{name}_far(y[i]), y[i], dy[i])"""
 _TABLE_NOTES = {"left": "m & _LANE_BITS", "right": "m >> _BLOCK"}
 
 # The partial block at the end of a span: its far pieces element by element, as its notes ask.
@@ -466,14 +478,19 @@ def _shared_near(left: sympy.Expr, right: sympy.Expr, printer: ScalarPrinter) ->
     return f'def q_near_scalar(y, left):\n    """{doc}"""\n' + "\n".join(lines) + "\n"
 
 
-# The near tables (invact._avx512): each branch's g up to its split in INTERVALS equal intervals, the
-# near piece on each as a polynomial of the lowest degree whose bound meets NEAR_TABLE_BOUND.
-NEAR_TABLE_INTERVALS = 16  # per branch: two branches fill one 32-entry AVX-512 lookup (invact._avx512)
+# The near tables (invact._lookup): per instruction set, the entries one lookup instruction reads (the
+# two branches' intervals together; invact._lookup.LOOKUPS, checked equal by tests/codegen) and the
+# highest degree worth a table. The intervals are split between the branches where the degree that
+# meets NEAR_TABLE_BOUND on both is lowest.
+NEAR_TABLE_LOOKUPS = {"avx512": 32, "avx2": 8}
+# A lookup and a multiply-add per coefficient, where the polynomial in g (degree 14 for the floor fits)
+# costs a blend and a multiply-add: an 8-entry AVX2 table pays beyond degree 12, a 32-entry one
+# (cheap at degree 5, and its two-register lookup the dearer instruction) beyond 8.
+NEAR_TABLE_MAX_DEGREE = {"avx512": 8, "avx2": 12}
 # 2^-26 = 1.5e-8: a quarter of fp32's half ulp at 1 (2^-24; q's size on the right branch), so the table's
 # own error stays far below the fp32 evaluation error of the polynomial it stands for (within
 # 2.3e-7 of float64, measured: tests/codegen/test_generated_precision.py).
 NEAR_TABLE_BOUND = 2.0**-26
-NEAR_TABLE_MAX_DEGREE = 8  # a lookup and a multiply-add per coefficient: beyond this, no gain
 _CHEBYSHEV_NODES = 64  # per interval: more than any near piece's degree + 1, so the fit is exact
 
 
@@ -492,17 +509,19 @@ def _sqrt_of_clamped_shift(g: sympy.Expr) -> tuple[float, float, float] | None:
     return float(e1[0]), float(shifted[0] - spec.Y), float(numbers[0])
 
 
-def _interval_polynomials(piece, g_max: float, degree: int) -> tuple[list[list[float]], float]:
-    """(coefficients[j][k] of u^k on interval j, bound) for piece(g), g = (j + u) * g_max / INTERVALS,
+def _interval_polynomials(
+    piece, g_max: float, intervals: int, degree: int
+) -> tuple[list[list[float]], float]:
+    """(coefficients[j][k] of u^k on interval j, bound) for piece(g), g = (j + u) * g_max / intervals,
     u in [0, 1]: the Chebyshev series of the piece on each interval (exact: it is a polynomial of lower
     degree than the nodes), cut to `degree` (economization). bound: the largest sum of the cut terms'
     magnitudes over the intervals, which bounds |cut series - piece| since |T_k| <= 1."""
     from numpy.polynomial import Chebyshev, Polynomial
 
-    width = g_max / NEAR_TABLE_INTERVALS
+    width = g_max / intervals
     nodes = (np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES) + 1) / 2  # in [0, 1]
     rows, bound = [], 0.0
-    for j in range(NEAR_TABLE_INTERVALS):
+    for j in range(intervals):
         series = Chebyshev.fit(nodes, piece((j + nodes) * width), _CHEBYSHEV_NODES - 1, domain=[0, 1])
         bound = max(bound, float(np.abs(series.coef[degree + 1 :]).sum()))
         power = series.truncate(degree + 1).convert(kind=Polynomial, domain=[0, 1], window=[0, 1])
@@ -510,11 +529,20 @@ def _interval_polynomials(piece, g_max: float, degree: int) -> tuple[list[list[f
     return rows, bound
 
 
-def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> str | None:
-    """The constants invact._avx512.near_table takes, printed: both branches' near pieces as tables
-    (see NEAR_TABLE_INTERVALS), when both are polynomials in affine maps of one
-    g = sqrt(max(e1, y + a) + e2) and a degree up to NEAR_TABLE_MAX_DEGREE meets NEAR_TABLE_BOUND;
-    else None (the kernel then evaluates the polynomial in g on every CPU)."""
+def _lowest_degree(piece, g_max: float, intervals: int, most: int) -> int | None:
+    """The lowest degree up to `most` whose interval polynomials meet NEAR_TABLE_BOUND, else None."""
+    for degree in range(1, most + 1):
+        if _interval_polynomials(piece, g_max, intervals, degree)[1] <= NEAR_TABLE_BOUND:
+            return degree
+    return None
+
+
+def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> tuple[str, list[str]] | None:
+    """The constants invact._lookup.near_table takes, printed: both branches' near pieces as tables for
+    each instruction set (NEAR_TABLE_LOOKUPS), when both are polynomials in affine maps of one
+    g = sqrt(max(e1, y + a) + e2); a table only where a degree up to NEAR_TABLE_MAX_DEGREE meets
+    NEAR_TABLE_BOUND (elsewhere the kernel evaluates the polynomial in g); with the instruction sets
+    that have one. None without any."""
     forms = {name: _affine_polynomial(nears[name]) for name in ("left", "right")}
     if None in forms.values() or forms["left"][0] != forms["right"][0]:
         return None
@@ -527,26 +555,55 @@ def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> 
         g_max[name] = float(g.subs(spec.Y, splits[name]))
         in_t = np.array([float(v) for v in coefficients[::-1]])  # highest degree first, for polyval
         pieces[name] = lambda v, s=float(scale), h=float(shift), p=in_t: np.polyval(p, s * v + h)
-    for degree in range(1, NEAR_TABLE_MAX_DEGREE + 1):
-        fitted = {name: _interval_polynomials(pieces[name], g_max[name], degree) for name in pieces}
-        bound = max(b for _, b in fitted.values())
-        if bound <= NEAR_TABLE_BOUND:
-            break
-    else:
+    tables = {isa: _isa_table(isa, pieces, g_max) for isa in NEAR_TABLE_LOOKUPS}
+    tables = {isa: text for isa, text in tables.items() if text}
+    if not tables:
         return None
-    columns = fitted["right"][0] + fitted["left"][0]  # interval j: right for j < 16, left for j >= 16
-    rows = "\n".join(f"    ({', '.join(repr(col[k]) for col in columns)}),"
-                     for k in range(degree + 1))  # fmt: skip
     e1, a, e2 = shape
-    n = NEAR_TABLE_INTERVALS
-    return f"""# The near pieces again, as tables for CPUs with AVX-512 (invact._avx512 says how the kernel
-# reads them): each branch's g from 0 to its split in {n} equal intervals; on interval j the near piece is
-# a polynomial of degree {degree} in u = {n}*g/g_max - j in [0, 1] (its Chebyshev series, cut).
+    return (
+        f"""# The near pieces again, as tables for CPUs with AVX-512 or AVX2 (invact._lookup says how the
+# kernel reads them): each branch's g from 0 to its split in equal intervals; on interval j of n the
+# near piece is a polynomial in u = n*g/g_max - j in [0, 1] (its Chebyshev series, cut).
 NEAR_TABLE_G = ({e1!r}, {a!r}, {e2!r})  # g = sqrt(max(e1, y + a) + e2)
 NEAR_TABLE_G_MAX = ({g_max["left"]!r}, {g_max["right"]!r})  # g at the left and the right split
-NEAR_TABLE_BOUND = {bound:.3g}  # |table - near piece|, at most (float64; the cut terms' sum)
-# NEAR_TABLE[k][j]: the coefficient of u^k on interval j: right branch for j < {n}, left beyond.
-NEAR_TABLE = (
+{"".join(tables.values())}""",
+        list(tables),
+    )
+
+
+def _round_up(bound: float) -> str:
+    """bound to three significant digits, rounded up: a printed bound the tests check must not shrink."""
+    step = 10.0 ** (math.floor(math.log10(bound)) - 2)
+    return f"{math.ceil(bound / step) * step:.3g}"
+
+
+def _isa_table(isa: str, pieces: dict, g_max: dict[str, float]) -> str | None:
+    """One instruction set's table, printed (NEAR_TABLE_<ISA>, its intervals and bound): the split of
+    its lookup's entries between the branches with the lowest degree (the smaller bound among equals)."""
+    entries, most = NEAR_TABLE_LOOKUPS[isa], NEAR_TABLE_MAX_DEGREE[isa]
+    best = None
+    for n_left in range(1, entries):
+        intervals = {"left": n_left, "right": entries - n_left}
+        degrees = [_lowest_degree(pieces[name], g_max[name], intervals[name], most) for name in pieces]
+        if None in degrees:
+            continue
+        fitted = {name: _interval_polynomials(pieces[name], g_max[name], intervals[name], max(degrees))
+                  for name in pieces}  # fmt: skip
+        key = (max(degrees), max(bound for _, bound in fitted.values()))
+        if best is None or key < best[0]:
+            best = (key, intervals, fitted)
+    if best is None:
+        return None
+    (degree, bound), intervals, fitted = best
+    columns = fitted["right"][0] + fitted["left"][0]  # the right branch's intervals first
+    rows = "\n".join(f"    ({', '.join(repr(col[k]) for col in columns)}),"
+                     for k in range(degree + 1))  # fmt: skip
+    name = f"NEAR_TABLE_{isa.upper()}"
+    return f"""# {isa}: one {entries}-entry lookup per coefficient; degree {degree}.
+{name}_INTERVALS = ({intervals["left"]}, {intervals["right"]})  # the left branch's, the right's
+{name}_BOUND = {_round_up(bound)}  # |table - near piece|, at most (float64; the cut terms' sum)
+# {name}[k][j]: the coefficient of u^k on interval j, the right branch's for j < {intervals["right"]}.
+{name} = (
 {rows}
 )
 """
@@ -575,9 +632,9 @@ def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
     if shared is not None:
         blocks.append(shared)
     table = _near_table(nears, splits) if shared is not None else None
-    has_split["table"] = table is not None
+    has_split["tables"] = table[1] if table else []
     if table is not None:
-        blocks.append(table)
+        blocks.append(table[0])
     return "\n\n".join(blocks), has_split
 
 
@@ -612,15 +669,20 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
         piece_jits="\n".join(jits), near_q=near_q, need=" | ".join(notes), far_passes="\n".join(passes),
         tail_passes="\n".join(tails),
     ) + _NUMBA_SPANS  # fmt: skip
-    if not has_split.get("table"):
+    if not has_split.get("tables"):
         return kernel
     far = [_NUMBA_TABLE_FAR_PASS.format(name=name, notes=notes) for name, notes in _TABLE_NOTES.items()]
     tails = [_NUMBA_TABLE_TAIL_PASS.format(name=name, notes=notes) for name, notes in _TABLE_NOTES.items()]
-    return kernel + _NUMBA_TABLE.format(far_passes="\n".join(far), tail_passes="\n".join(tails))
+    passes = {"far_passes": "\n".join(far), "tail_passes": "\n".join(tails)}
+    tables = [_NUMBA_TABLE.format(isa=isa, ISA=isa.upper(), needs=_TABLE_NEEDS[isa], **passes)
+              for isa in has_split["tables"]]  # fmt: skip
+    entry = '    "{0}": (table_kernel_{0}, table_kernel_bits_{0}),'
+    kernels = "\n".join(entry.format(isa) for isa in has_split["tables"])
+    return kernel + _NUMBA_LANE_BITS + "".join(tables) + _NUMBA_TABLE_CHOICE.format(kernels=kernels)
 
 
 # What the numba view calls: sources of every file holding one.
-CPU_RUNTIME = (ROOT / "invact" / "_cpu_math.py", ROOT / "invact" / "_avx512.py")
+CPU_RUNTIME = (ROOT / "invact" / "_cpu_math.py", ROOT / "invact" / "_lookup.py")
 
 
 def cpu_runtime_sources() -> list[tuple[str, str]]:
@@ -647,7 +709,7 @@ import math  # noqa: F401
 import numba
 import numpy as np
 
-from invact import _avx512  # noqa: F401
+from invact import _lookup  # noqa: F401
 from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
 
 
@@ -718,7 +780,7 @@ import numba
 import numpy as np
 import torch
 
-from invact import _avx512  # noqa: F401
+from invact import _lookup  # noqa: F401
 from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
 
 try:

@@ -48,7 +48,7 @@ def _source_line(path) -> str:
 
 def test_headers_name_the_sources_and_their_sha256():
     spec = _source_line(ROOT / "coeffs" / "activations.json")
-    cpu_runtime = [_source_line(ROOT / "invact" / name) for name in ("_cpu_math.py", "_avx512.py")]
+    cpu_runtime = [_source_line(ROOT / "invact" / name) for name in ("_cpu_math.py", "_lookup.py")]
     for path in DEFAULT_FILES:
         # the torch and Triton modules print views of the spec entry too; the numba one only q, and
         # names the runtime code its cached kernels compile in (an edit there regenerates it)
@@ -145,3 +145,13 @@ def test_no_shared_near_polynomial_without_a_common_variable():
     right = 1 + 2 * (3 * sympy.sqrt(Y + 2) - 1)
     assert _shared_near_function(left, right) is None
     assert _shared_near_function(left, sympy.exp(Y)) is None
+
+
+def test_the_tables_fill_the_lookups_the_runtime_reads():
+    """codegen sizes each instruction set's near table by the entries of its lookup instruction, which
+    invact._lookup emits: the two must agree."""
+    pytest.importorskip("numba")
+    from codegen import render
+    from invact import _lookup
+
+    assert render.NEAR_TABLE_LOOKUPS == _lookup.LOOKUPS

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from codegen import render
 from fitting.activations import ACTIVATIONS, get_activation
 from fitting.evaluate import FORMATS, dtype_eval_points
 from fitting.targets import target
@@ -64,48 +65,50 @@ def test_kernel_near_piece_stays_within_the_recorded_error(name, branch):
     assert err <= generated.ERRORS[branch]["linf_fp32"], err
 
 
-# The near tables (codegen prints NEAR_TABLE beside q_near_scalar where its degree meets the bound):
-# the table as the kernel reads it, in float64, against the near piece it stands for.
-TABLED = [(name, branch) for name, branch in SHARED_NEAR
-          if hasattr(importlib.import_module(f"invact._generated.{name}_cpu"), "NEAR_TABLE")]  # fmt: skip
+# The near tables (codegen prints NEAR_TABLE_<ISA> beside q_near_scalar where its degree meets the
+# bound): the table as the kernel reads it, in float64, against the near piece it stands for.
+TABLED = [(name, branch, isa) for name, branch in SHARED_NEAR for isa in render.NEAR_TABLE_LOOKUPS
+          if hasattr(importlib.import_module(f"invact._generated.{name}_cpu"),
+                     f"NEAR_TABLE_{isa.upper()}")]  # fmt: skip
 # float64 rounding of both sides (Horner sums of degree <= 14 with terms below 2): 1e-15 each, with room.
 FLOAT64_ROUNDING = 1e-13
 
 
-def _table_in_float64(cpu, y: np.ndarray, left: bool) -> np.ndarray:
-    """NEAR_TABLE evaluated as invact._avx512.near_table does, in float64."""
+def _table_in_float64(cpu, isa: str, y: np.ndarray, left: bool) -> np.ndarray:
+    """NEAR_TABLE_<ISA> evaluated as invact._lookup.near_table does, in float64."""
     e1, a, e2 = cpu.NEAR_TABLE_G
     g = np.sqrt(np.maximum(y + a, e1) + e2)
     g_max = cpu.NEAR_TABLE_G_MAX[0 if left else 1]
-    intervals = len(cpu.NEAR_TABLE[0]) // 2
+    n_left, n_right = getattr(cpu, f"NEAR_TABLE_{isa.upper()}_INTERVALS")
+    intervals = n_left if left else n_right
     scaled = g * (intervals / g_max)
     j = np.minimum(np.trunc(scaled).astype(np.int64), intervals - 1)
     u = scaled - j
-    table = np.array(cpu.NEAR_TABLE)[:, j + (intervals if left else 0)]
+    table = np.array(getattr(cpu, f"NEAR_TABLE_{isa.upper()}"))[:, j + (n_right if left else 0)]
     return np.polynomial.polynomial.polyval(u, table, tensor=False)
 
 
-@pytest.mark.parametrize(("name", "branch"), TABLED)
-def test_near_table_is_within_its_bound_of_the_near_piece(name, branch):
+@pytest.mark.parametrize(("name", "branch", "isa"), TABLED)
+def test_near_table_is_within_its_bound_of_the_near_piece(name, branch, isa):
     cpu = importlib.import_module(f"invact._generated.{name}_cpu")
     generated = importlib.import_module(f"invact._generated.{name}")
     act = get_activation(name)
     y = dtype_eval_points(act, branch, FORMATS["fp32"])
     y = y[y < getattr(cpu, f"{branch.upper()}_SPLIT")]
-    table = _table_in_float64(cpu, y, branch == "left")
+    table = _table_in_float64(cpu, isa, y, branch == "left")
     near = getattr(generated, f"q_{branch}")(torch.tensor(y, dtype=torch.float64)).numpy()
-    assert np.abs(table - near).max() <= cpu.NEAR_TABLE_BOUND + FLOAT64_ROUNDING
+    assert np.abs(table - near).max() <= getattr(cpu, f"NEAR_TABLE_{isa.upper()}_BOUND") + FLOAT64_ROUNDING
 
 
-@pytest.mark.parametrize(("name", "branch"), TABLED)
-def test_kernel_near_table_stays_within_the_recorded_error(name, branch):
-    """The table kernel itself (AVX-512 only) with dy = 1 on the near pieces' points: the fp32 bound of
-    the polynomial it stands for holds."""
+@pytest.mark.parametrize(("name", "branch", "isa"), TABLED)
+def test_kernel_near_table_stays_within_the_recorded_error(name, branch, isa):
+    """The table kernel itself (where the CPU runs it) with dy = 1 on the near pieces' points: the fp32
+    bound of the polynomial it stands for holds."""
     pytest.importorskip("numba")
-    from invact import _avx512
+    from invact import _lookup
 
-    if not _avx512.available():
-        pytest.skip("numba does not compile for AVX-512 here")
+    if not _lookup.runs(isa):
+        pytest.skip(f"numba does not compile for {isa} here")
     cpu = importlib.import_module(f"invact._generated.{name}_cpu")
     generated = importlib.import_module(f"invact._generated.{name}")
     act = get_activation(name)
@@ -113,7 +116,7 @@ def test_kernel_near_table_stays_within_the_recorded_error(name, branch):
     y = y[y < getattr(cpu, f"{branch.upper()}_SPLIT")].astype(np.float32)
     flags = np.full(y.size, branch == "left", dtype=np.uint8)
     q32 = np.empty_like(y)
-    cpu.table_kernel(y, flags, np.ones_like(y), q32)
+    cpu.TABLE_KERNELS[isa][0](y, flags, np.ones_like(y), q32)
     exact = target(act, y.astype(np.float64), branch)
     err = (np.abs(q32.astype(np.float64) - exact) - FP32_EVALUATION * np.maximum(np.abs(exact), 1)).max()
     assert err <= generated.ERRORS[branch]["linf_fp32"], err

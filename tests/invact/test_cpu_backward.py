@@ -1,5 +1,5 @@
-"""The numba backward kernels (invact/_generated/<act>_cpu.py), both where a file has two: the
-polynomial in g (_backward_span) and, on CPUs with AVX-512, the near tables (_table_span). Their block
+"""The numba backward kernels (invact/_generated/<act>_cpu.py), every one a file has: the polynomial in g
+(_backward_span) and the near tables (_table_span_<isa>), each where the CPU runs it. Their block
 skipping: each element gets its own branch's piece whichever block and span it lies in, whether the
 far pieces run in its block or not, and in the partial block at the end. Their packed-bits entry:
 the same dx as with the flags unpacked, at every size and span boundary."""
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from invact import _avx512, _bits, _portable  # noqa: E402
+from invact import _bits, _lookup, _portable  # noqa: E402
 from invact.activations import ACTIVATIONS  # noqa: E402
 
 # The activations whose kernel skips far pieces: the floor family's two-branch forms (codegen prints
@@ -22,31 +22,24 @@ FP32_TWO_EVALUATIONS = 2e-6
 FAR_X = 6.0  # beyond every split: y -> 0- on the left branch, y = x past the largest right split (4)
 
 
-# The kernel pairs (flags, packed bits) a numba view can hold: the tables only where codegen printed
-# them (NEAR_TABLE) and numba compiles for AVX-512; elsewhere that case is skipped, not dropped.
-KERNELS = {
-    "polynomial": ("polynomial_kernel", "polynomial_kernel_bits"),
-    "table": ("table_kernel", "table_kernel_bits"),
-}
+# The kernel pairs (flags, packed bits) a numba view can hold: the polynomial in g, and a table kernel
+# per instruction set codegen printed a table for (TABLE_KERNELS), skipped where the CPU cannot run it.
 
 
 def _with_variants(names: list[str]) -> list[tuple[str, str]]:
-    """(activation, kernel variant) pairs: the table wherever codegen printed one."""
-    return [
-        (n, v)
-        for n in names
-        for v in KERNELS
-        if v == "polynomial" or hasattr(ACTIVATIONS[n].cpu, "NEAR_TABLE")
-    ]
+    """(activation, kernel variant) pairs: "polynomial", and each instruction set with a table."""
+    return [(n, v) for n in names for v in ["polynomial", *getattr(ACTIVATIONS[n].cpu, "TABLE_KERNELS", {})]]
 
 
 def _kernels(name: str, variant: str):
     module = ACTIVATIONS[name].cpu
-    if not hasattr(module, "NEAR_TABLE"):  # the only kernel, not renamed
+    if not hasattr(module, "TABLE_KERNELS"):  # the only kernel, not renamed
         return module.backward_kernel, module.backward_kernel_bits
-    if variant == "table" and not _avx512.available():
-        pytest.skip("numba does not compile for AVX-512 here")
-    return tuple(getattr(module, entry) for entry in KERNELS[variant])
+    if variant == "polynomial":
+        return module.polynomial_kernel, module.polynomial_kernel_bits
+    if not _lookup.runs(variant):
+        pytest.skip(f"numba does not compile for {variant} here")
+    return module.TABLE_KERNELS[variant]
 
 
 def _span(name: str) -> tuple[int, int]:
@@ -124,7 +117,6 @@ def test_backward_span_asks_for_512_bit_vectors(kind):
     and on an AVX-512 host compiles to zmm registers: LLVM's Intel tunings would otherwise pick 256-bit
     ones. Compiled afresh, without numba's cache (cached code cannot be inspected)."""
     import numba
-    from llvmlite import binding
 
     act = ACTIVATIONS[KERNEL_KINDS[kind][0]]
     span = numba.njit(fastmath=act.cpu._FASTMATH)(act.cpu._backward_span.py_func)
@@ -132,29 +124,33 @@ def test_backward_span_asks_for_512_bit_vectors(kind):
     span(y, y.copy(), y.copy()) if act.monotone else span(y, (y > 0.5).astype("uint8"), y.copy(), y.copy())
     (signature,) = span.signatures
     assert '"prefer-vector-width"="512"' in span.inspect_llvm(signature)
-    host_avx512 = "+avx512f" in binding.get_host_cpu_features().flatten() and not numba.config.CPU_NAME
-    if host_avx512:
+    if _lookup.instruction_set() == "avx512":
         assert "zmm" in span.inspect_asm(signature)
 
 
-def test_the_kernel_invact_calls_is_the_table_exactly_where_numba_compiles_for_avx512():
-    for name in SKIPPING:
-        module = ACTIVATIONS[name].cpu
-        table = hasattr(module, "NEAR_TABLE") and _avx512.available()
-        assert (module.backward_kernel is getattr(module, "table_kernel", None)) == table, name
-        assert (module.backward_kernel_bits is getattr(module, "table_kernel_bits", None)) == table, name
+@pytest.mark.parametrize("name", [n for n in SKIPPING if hasattr(ACTIVATIONS[n].cpu, "TABLE_KERNELS")])
+def test_the_kernel_invact_calls_is_the_table_for_the_instruction_set_numba_compiles_for(name):
+    module = ACTIVATIONS[name].cpu
+    polynomial = (module.polynomial_kernel, module.polynomial_kernel_bits)
+    want = module.TABLE_KERNELS.get(_lookup.instruction_set(), polynomial)
+    assert (module.backward_kernel, module.backward_kernel_bits) == want
 
 
 @pytest.mark.parametrize(
     ("cpu_name", "features", "host", "want"),
     [
-        (None, "", "+avx2,+avx512f", True),  # the host's features
-        (None, "", "+avx2,-avx512f", False),
-        ("haswell", "", "+avx2,+avx512f", False),  # a named CPU counts only with its features named
-        ("skylake-avx512", "+avx2,+avx512f", "+avx2,-avx512f", True),
+        (None, None, "+avx2,+fma,+avx512f", "avx512"),  # the host's features
+        (None, None, "+avx2,+fma,-avx512f", "avx2"),
+        (None, None, "+avx2,-fma,-avx512f", None),
+        # numba passes LLVM the host's features under a named CPU too, unless they are named
+        ("haswell", None, "+avx2,+fma,+avx512f", "avx512"),
+        ("haswell", "+avx2,+fma", "+avx2,+fma,+avx512f", "avx2"),
+        ("haswell", "", "+avx2,+fma,+avx512f", None),  # left out under a named CPU: counted absent
+        (None, "+avx2", "+avx2,+fma,+avx512f", "avx512"),  # left out, no named CPU: the host's
+        ("skylake-avx512", "+avx2,+fma,+avx512f", "+avx2,-avx512f", "avx512"),
     ],
 )
-def test_avx512_follows_the_cpu_numba_compiles_for(monkeypatch, cpu_name, features, host, want):
+def test_instruction_set_follows_the_cpu_numba_compiles_for(monkeypatch, cpu_name, features, host, want):
     from llvmlite import binding
     from numba.core import config
 
@@ -165,8 +161,15 @@ def test_avx512_follows_the_cpu_numba_compiles_for(monkeypatch, cpu_name, featur
     monkeypatch.setattr(config, "CPU_NAME", cpu_name)
     monkeypatch.setattr(config, "CPU_FEATURES", features)
     monkeypatch.setattr(binding, "get_host_cpu_features", lambda: _Features())
-    _avx512.available.cache_clear()
+    _lookup.instruction_set.cache_clear()
     try:
-        assert _avx512.available() is want
+        assert _lookup.instruction_set() == want
     finally:
-        _avx512.available.cache_clear()
+        _lookup.instruction_set.cache_clear()
+
+
+@pytest.mark.parametrize(("intervals", "entries"), [((16, 15), 31), ((4, 5), 9)])
+def test_near_table_refuses_intervals_that_do_not_fill_a_lookup(intervals, entries):
+    row = (0.0,) * entries
+    with pytest.raises(ValueError, match=f"fill {entries} entries"):
+        _lookup.near_table((0.0, 0.0, 0.0), (1.0, 1.0), (row,), (0.0, 0.0), intervals)

@@ -1,21 +1,22 @@
-"""The near pieces of a two-branch backward by table lookup in AVX-512 registers, for the numba
-kernels printed into invact/_generated/<act>_cpu.py.
+"""The near pieces of a two-branch backward by table lookup in vector registers (AVX-512 or AVX2), for
+the numba kernels printed into invact/_generated/<act>_cpu.py.
 
 Where both branches' near pieces are polynomials in one g = sqrt(max(e1, y + a) + e2) (the floor
 family's forms), codegen also prints them as tables: each branch's range of g up to its split is cut
-into 16 equal intervals, and on each the piece is a low-degree polynomial in the interval's own
-u = 16 g / g_max - j in [0, 1] (NEAR_TABLE in the generated file, with its bound). One 32-entry
-lookup (vpermi2ps: 16 right intervals, 16 left ones, indexed by interval and bit) fetches each
-coefficient for 16 elements in one instruction, so a block costs a square root, one lookup and one
-multiply-add per coefficient (degree 5 at most for the committed fits: 6 lookups), where the
-polynomial in g needs a blend and a multiply-add per coefficient of degree 14. numba's loop
-vectorizer cannot emit such a lookup (a table indexed per element becomes a gather, or scalar code),
-so `near_table` writes the block's vector code itself, as LLVM IR, in a numba intrinsic.
+into equal intervals, and on each the piece is a low-degree polynomial in the interval's own
+u = n g / g_max - j in [0, 1] (NEAR_TABLE_<ISA> in the generated file, with its bound). One lookup
+instruction fetches a coefficient for every lane: on AVX-512 a 32-entry vpermi2ps (16 intervals per
+branch, degree 5 or less for the committed fits), on AVX2 an 8-entry vpermps (8 intervals for both
+branches together, so a higher degree). A block then costs a square root, one lookup and one
+multiply-add per coefficient, where the polynomial in g needs a blend and a multiply-add per
+coefficient of degree 14. numba's loop vectorizer cannot emit such a lookup (a table indexed per
+element becomes a gather, or scalar code), so `near_table` writes the block's vector code itself, as
+LLVM IR, in a numba intrinsic.
 
-Only where numba compiles for a CPU with AVX-512F (`available`); elsewhere the kernels keep the
-polynomial in g. The IR here is compiled into each cached kernel: codegen names this file, with its
-sha256, in the header of every generated file that uses it, so an edit regenerates them (and renews
-numba's cache).
+Which table a machine reads follows the instruction set numba compiles for (`instruction_set`); with
+neither, the kernels keep the polynomial in g. The IR here is compiled into each cached kernel:
+codegen names this file, with its sha256, in the header of every generated file that uses it, so an
+edit regenerates them (and renews numba's cache).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from numba.core import cgutils, config
 from numba.core.errors import TypingError
 from numba.core.extending import intrinsic
 
-LANES = 16  # fp32 lanes of one 512-bit vector: a block
-INTERVALS = 16  # per branch: the two branches' coefficient k fill the 32 entries of one vpermi2ps
+LANES = 16  # fp32 lanes of one 512-bit vector (two 256-bit ones): a block
+INTERVALS = 16  # per branch on AVX-512: the two branches' coefficient k fill one 32-entry vpermi2ps
+# Table entries one lookup instruction reads, by the instruction set whose lookup it is.
+LOOKUPS = {"avx512": 32, "avx2": 8}
 
 _F32 = ir.FloatType()
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
@@ -40,14 +43,31 @@ _VB = ir.VectorType(ir.IntType(1), LANES)
 
 
 @functools.cache
-def available() -> bool:
-    """numba compiles for a CPU with AVX-512F: the host's, or the one NUMBA_CPU_NAME names, whose
-    features then count only where NUMBA_CPU_FEATURES lists them (say haswell: no)."""
+def instruction_set() -> str | None:
+    """ "avx512" where numba compiles for a CPU with AVX-512F, else "avx2" where it has AVX2 and FMA,
+    else None. numba passes LLVM the features NUMBA_CPU_FEATURES lists, or, where that is unset, the
+    host's (even under NUMBA_CPU_NAME: a build for haswell on an AVX-512 host emits AVX-512 code unless
+    NUMBA_CPU_FEATURES is set too). A feature that list leaves out is the named CPU's default: the
+    host's where no NUMBA_CPU_NAME is set, else counted absent (the slower kernel, never a wrong one)."""
     from llvmlite import binding
 
-    if config.CPU_NAME:
-        return "+avx512f" in (config.CPU_FEATURES or "")
-    return "+avx512f" in (config.CPU_FEATURES or binding.get_host_cpu_features().flatten())
+    host = binding.get_host_cpu_features().flatten()
+    named = set((host if config.CPU_FEATURES is None else config.CPU_FEATURES).split(","))
+
+    def has(feature: str) -> bool:
+        if f"+{feature}" in named or f"-{feature}" in named:
+            return f"+{feature}" in named
+        return not config.CPU_NAME and f"+{feature}" in host.split(",")
+
+    if has("avx512f"):
+        return "avx512"
+    return "avx2" if has("avx2") and has("fma") else None
+
+
+def runs(isa: str) -> bool:
+    """A kernel compiled with `isa`'s lookup (a LOOKUPS key) runs here: numba compiles for that
+    instruction set or for AVX-512, which has AVX2's."""
+    return instruction_set() in (isa, "avx512")
 
 
 def _splat(value: float) -> ir.Constant:
@@ -59,6 +79,7 @@ def near_table(
     g_max: tuple[float, float],
     table: tuple[tuple[float, ...], ...],
     splits: tuple[float, float],
+    intervals: tuple[int, int] = (INTERVALS, INTERVALS),
 ):
     """A numba intrinsic `near_block(y, dy, dx, start, count, bits) -> int64` for one block of up to 16
     elements from `start` (`count` of them; the rest of the vector is masked off, nothing is read or
@@ -70,14 +91,19 @@ def near_table(
     `far_value`); -inf and NaN are not noted, their near value is already NaN.
 
     g = sqrt(max(e1, y + a) + e2) for g = (e1, a, e2); g_max = (left, right): each branch's g at its
-    split; table[k][j]: coefficient of u^k on interval j, right branch for j < 16, left for j >= 16;
+    split; intervals = (left, right): each branch's number of intervals, filling one lookup (LOOKUPS:
+    32 entries, one AVX-512 vpermi2ps per coefficient, or 8, one AVX2 vpermps per 8 lanes); table[k][j]:
+    coefficient of u^k on interval j, the right branch's intervals first, then the left's;
     splits = (left, right)."""
     e1, a, e2 = g
-    if any(len(row) != 2 * INTERVALS for row in table):
-        raise ValueError(f"each table row needs {2 * INTERVALS} entries (two branches' intervals)")
-    rows = [(ir.Constant(_VF, [float(np.float32(v)) for v in row[:INTERVALS]]),
-             ir.Constant(_VF, [float(np.float32(v)) for v in row[INTERVALS:]])) for row in table]  # fmt: skip
-    steps = tuple(INTERVALS / m for m in g_max)  # intervals per unit of g
+    entries = sum(intervals)
+    if entries not in LOOKUPS.values():
+        raise ValueError(f"the two branches' intervals fill {entries} entries, not a lookup's {LOOKUPS}")
+    if any(len(row) != entries for row in table):
+        raise ValueError(f"each table row needs {entries} entries (two branches' intervals)")
+    n_left, n_right = intervals
+    rows = [[float(np.float32(v)) for v in row] for row in table]
+    steps = tuple(n / m for n, m in zip(intervals, g_max, strict=True))  # intervals per unit of g
 
     @intrinsic
     def near_block(typingctx, y, dy, dx, start, count, bits):
@@ -97,9 +123,7 @@ def near_table(
                 return cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF] * n), name)
 
             sqrt, fma = function("llvm.sqrt.v16f32", 1), function("llvm.fma.v16f32", 3)
-            permute = cgutils.get_or_insert_function(
-                module, ir.FunctionType(_VF, [_VF, _VI, _VF]), "llvm.x86.avx512.vpermi2var.ps.512"
-            )
+            lookup = _lookup(builder, entries)
             masked_load, masked_store = _masked_load(module), _masked_store(module)
 
             def at(i):
@@ -121,6 +145,11 @@ def near_table(
             def pick(on_left: float, on_right: float):
                 return builder.select(left, _splat(on_left), _splat(on_right))
 
+            def pick_int(on_left: int, on_right: int):
+                return builder.select(
+                    left, ir.Constant(_VI, [on_left] * LANES), ir.Constant(_VI, [on_right] * LANES)
+                )
+
             # g as the scalar functions compute it (a compare and select is one vmaxps; llvm.maxnum's NaN
             # rule would cost a fix-up). Not clamped to g_max: past the split u exceeds 1 and the value
             # is garbage, possibly inf, which the far piece overwrites.
@@ -128,31 +157,71 @@ def near_table(
             clamped = builder.select(builder.fcmp_ordered(">", shifted, _splat(e1)), shifted, _splat(e1))
             gv = builder.call(sqrt, [builder.fadd(clamped, _splat(e2))])
             scaled = builder.fmul(gv, pick(*steps))
-            j = builder.fptosi(scaled, _VI)  # truncation: the interval; 16 at g_max itself, so at most 15:
-            last = ir.Constant(_VI, [INTERVALS - 1] * LANES)
+            j = builder.fptosi(scaled, _VI)  # truncation: the interval; n at g_max itself, so at most n - 1:
+            last = pick_int(n_left - 1, n_right - 1)
             j = builder.select(builder.icmp_signed("<", j, last), j, last)
             u = builder.fsub(scaled, builder.sitofp(j, _VF))  # exact where j <= scaled <= 2j (Sterbenz)
-            index = builder.or_(j, builder.select(left, ir.Constant(_VI, [INTERVALS] * LANES),
-                                                  ir.Constant(_VI, [0] * LANES)))  # fmt: skip
-            right_rows, left_rows = zip(*rows, strict=True)
-            c = [builder.call(permute, [r, index, lo]) for r, lo in zip(right_rows, left_rows, strict=True)]
-            q = c[-1]
-            for ck in reversed(c[:-1]):  # Horner in u
-                q = builder.call(fma, [q, u, ck])
+            index = builder.add(j, pick_int(n_right, 0))
+            c = [lookup(row, index) for row in rows]
+            q = _estrin(builder, fma, c, u)
             # y - y is 0 for finite y and NaN for +-inf and NaN (IEEE; no fast-math flag here lets LLVM
             # fold it): NaN as torch gives there, one subtraction and one addition.
             q = builder.fadd(q, builder.fsub(yv, yv))
             builder.call(masked_store, [builder.fmul(dyv, q), at(2), align, lanes])
+            # The notes as integers: the vector booleans far & left would be one AVX-512 instruction but
+            # bit by bit on AVX2 (measured: 50 instructions a block).
             far = builder.and_(builder.fcmp_ordered(">=", yv, pick(*splits)), lanes)
-            notes_left = builder.zext(builder.bitcast(builder.and_(far, left), ir.IntType(LANES)), _I64)
-            notes_right = builder.zext(
-                builder.bitcast(builder.and_(far, builder.not_(left)), ir.IntType(LANES)), _I64
-            )
+            far = builder.zext(builder.bitcast(far, ir.IntType(LANES)), _I64)
+            word = builder.zext(word, _I64)
+            notes_left, notes_right = builder.and_(far, word), builder.and_(far, builder.not_(word))
             return builder.or_(notes_left, builder.shl(notes_right, ir.Constant(_I64, LANES)))
 
         return types.int64(y, dy, dx, types.int64, types.int64, bits), codegen
 
     return near_block
+
+
+def _estrin(builder: ir.IRBuilder, fma: ir.Function, c: list[ir.Value], u: ir.Value) -> ir.Value:
+    """c[0] + c[1] u + ... by Estrin's scheme: pairs c[2i] + c[2i+1] u, then pairs of those with u^2,
+    and so on; a chain of log2(len(c)) multiply-adds where Horner's is len(c) - 1 long."""
+    power = u
+    while len(c) > 1:
+        pairs = [builder.call(fma, [c[i + 1], power, c[i]]) for i in range(0, len(c) - 1, 2)]
+        c = pairs + c[len(c) - len(c) % 2 :]
+        if len(c) > 1:
+            power = builder.fmul(power, power)
+    return c[0]
+
+
+def _lookup(builder: ir.IRBuilder, entries: int):
+    """row, index -> row[index] in each of the 16 lanes: one vpermi2ps (32 entries: AVX-512), or one
+    vpermps per 8-lane half (8 entries: AVX2)."""
+    module = builder.module
+    if entries == LOOKUPS["avx512"]:
+        permute = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_VF, [_VF, _VI, _VF]), "llvm.x86.avx512.vpermi2var.ps.512"
+        )
+
+        def lookup(row, index):
+            return builder.call(
+                permute, [ir.Constant(_VF, row[:LANES]), index, ir.Constant(_VF, row[LANES:])]
+            )
+
+        return lookup
+    half_f, half_i = ir.VectorType(_F32, LANES // 2), ir.VectorType(_I32, LANES // 2)
+    permute = cgutils.get_or_insert_function(
+        module, ir.FunctionType(half_f, [half_f, half_i]), "llvm.x86.avx2.permps"
+    )
+    low, high = (ir.Constant(half_i, list(range(h, h + LANES // 2))) for h in (0, LANES // 2))
+
+    def lookup(row, index):
+        table = ir.Constant(half_f, row)
+        parts = [
+            builder.call(permute, [table, builder.shuffle_vector(index, index, half)]) for half in (low, high)
+        ]
+        return builder.shuffle_vector(*parts, ir.Constant(_VI, list(range(LANES))))
+
+    return lookup
 
 
 @numba.njit(inline="always", fastmath={"contract", "reassoc", "arcp", "afn"})
@@ -198,7 +267,13 @@ def store_lanes(typingctx, dst, src, start, mask):
 
         target = builder.bitcast(builder.gep(data(0), [args[2]]), _VF.as_pointer())
         source = builder.bitcast(data(1), _VF.as_pointer())
-        lanes = builder.bitcast(builder.trunc(args[3], ir.IntType(LANES)), _VB)
+        # bit i of the mask to lane i by a broadcast, an and and a compare: a bitcast of the integer to
+        # 16 booleans is one instruction on AVX-512 but bit by bit on AVX2 (measured: 50 instructions)
+        bit = builder.and_(
+            _broadcast(builder, builder.trunc(args[3], _I32)),
+            ir.Constant(_VI, [1 << i for i in range(LANES)]),
+        )
+        lanes = builder.icmp_unsigned("!=", bit, ir.Constant(_VI, [0] * LANES))
         align = ir.Constant(_I32, 4)
         values = builder.call(_masked_load(builder.module), [source, align, lanes, _splat(0.0)])
         builder.call(_masked_store(builder.module), [values, target, align, lanes])
