@@ -163,7 +163,11 @@ def near_table(
             u = builder.fsub(scaled, builder.sitofp(j, _VF))  # exact where j <= scaled <= 2j (Sterbenz)
             index = builder.add(j, pick_int(n_right, 0))
             c = [lookup(row, index) for row in rows]
-            q = _estrin(builder, fma, c, u)
+            q = (
+                _estrin(builder, fma, c, u)
+                if len(c) - 1 >= ESTRIN_FROM_DEGREE
+                else _horner(builder, fma, c, u)
+            )
             # y - y is 0 for finite y and NaN for +-inf and NaN (IEEE; no fast-math flag here lets LLVM
             # fold it): NaN as torch gives there, one subtraction and one addition.
             q = builder.fadd(q, builder.fsub(yv, yv))
@@ -179,6 +183,20 @@ def near_table(
         return types.int64(y, dy, dx, types.int64, types.int64, bits), codegen
 
     return near_block
+
+
+# The degree from which the polynomial in u is evaluated by Estrin's scheme rather than Horner's.
+# Measured on Zen 4 in cache: at degree 9 (AVX2, gelu) Estrin's shorter chain was 6% faster; at degree
+# 4 (AVX-512, silu; interleaved with Horner's) its extra multiplies cost 5%.
+ESTRIN_FROM_DEGREE = 6
+
+
+def _horner(builder: ir.IRBuilder, fma: ir.Function, c: list[ir.Value], u: ir.Value) -> ir.Value:
+    """c[0] + c[1] u + ... by Horner's scheme: len(c) - 1 multiply-adds in one chain."""
+    q = c[-1]
+    for ck in reversed(c[:-1]):
+        q = builder.call(fma, [q, u, ck])
+    return q
 
 
 def _estrin(builder: ir.IRBuilder, fma: ir.Function, c: list[ir.Value], u: ir.Value) -> ir.Value:
