@@ -186,8 +186,8 @@ def near_table(
 
 
 # The degree from which the polynomial in u is evaluated by Estrin's scheme rather than Horner's.
-# Measured on Zen 4 in cache: at degree 9 (AVX2, gelu) Estrin's shorter chain was 6% faster; at degree
-# 4 (AVX-512, silu; interleaved with Horner's) its extra multiplies cost 5%.
+# Measured on Zen 4 in cache: at degree 9 (an AVX2 table) Estrin's shorter chain was 6% faster; at degree
+# 4 (an AVX-512 table; interleaved with Horner's) its extra multiplies cost 5%.
 ESTRIN_FROM_DEGREE = 6
 
 
