@@ -509,32 +509,37 @@ def _sqrt_of_clamped_shift(g: sympy.Expr) -> tuple[float, float, float] | None:
     return float(e1[0]), float(shifted[0] - spec.Y), float(numbers[0])
 
 
-def _interval_polynomials(
-    piece, g_max: float, intervals: int, degree: int
-) -> tuple[list[list[float]], float]:
-    """(coefficients[j][k] of u^k on interval j, bound) for piece(g), g = (j + u) * g_max / intervals,
-    u in [0, 1]: the Chebyshev series of the piece on each interval (exact: it is a polynomial of lower
-    degree than the nodes), cut to `degree` (economization). bound: the largest sum of the cut terms'
-    magnitudes over the intervals, which bounds |cut series - piece| since |T_k| <= 1."""
-    from numpy.polynomial import Chebyshev, Polynomial
+def _interval_series(piece, g_max: float, intervals: int) -> list:
+    """piece(g) on each interval j of g = (j + u) * g_max / intervals, u in [0, 1], as its Chebyshev
+    series in u (exact: the piece is a polynomial of lower degree than the nodes)."""
+    from numpy.polynomial import Chebyshev
 
     width = g_max / intervals
     nodes = (np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES) + 1) / 2  # in [0, 1]
-    rows, bound = [], 0.0
-    for j in range(intervals):
-        series = Chebyshev.fit(nodes, piece((j + nodes) * width), _CHEBYSHEV_NODES - 1, domain=[0, 1])
-        bound = max(bound, float(np.abs(series.coef[degree + 1 :]).sum()))
-        power = series.truncate(degree + 1).convert(kind=Polynomial, domain=[0, 1], window=[0, 1])
+    return [Chebyshev.fit(nodes, piece((j + nodes) * width), _CHEBYSHEV_NODES - 1, domain=[0, 1])
+            for j in range(intervals)]  # fmt: skip
+
+
+def _cut_bound(series: list, degree: int) -> float:
+    """The largest sum of the magnitudes of the terms past `degree` over the intervals' series, which
+    bounds |cut series - piece| since |T_k| <= 1."""
+    return max(float(np.abs(s.coef[degree + 1 :]).sum()) for s in series)
+
+
+def _lowest_degree(series: list, most: int) -> int | None:
+    """The lowest degree up to `most` whose cut meets NEAR_TABLE_BOUND on every interval, else None."""
+    return next((d for d in range(1, most + 1) if _cut_bound(series, d) <= NEAR_TABLE_BOUND), None)
+
+
+def _interval_polynomials(series: list, degree: int) -> list[list[float]]:
+    """coefficients[j][k] of u^k on interval j: each interval's series cut to `degree` (economization)."""
+    from numpy.polynomial import Polynomial
+
+    rows = []
+    for one in series:
+        power = one.truncate(degree + 1).convert(kind=Polynomial, domain=[0, 1], window=[0, 1])
         rows.append([float(v) for v in np.pad(power.coef, (0, degree + 1 - power.coef.size))])
-    return rows, bound
-
-
-def _lowest_degree(piece, g_max: float, intervals: int, most: int) -> int | None:
-    """The lowest degree up to `most` whose interval polynomials meet NEAR_TABLE_BOUND, else None."""
-    for degree in range(1, most + 1):
-        if _interval_polynomials(piece, g_max, intervals, degree)[1] <= NEAR_TABLE_BOUND:
-            return degree
-    return None
+    return rows
 
 
 def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> tuple[str, list[str]] | None:
@@ -584,18 +589,18 @@ def _isa_table(isa: str, pieces: dict, g_max: dict[str, float]) -> str | None:
     best = None
     for n_left in range(1, entries):
         intervals = {"left": n_left, "right": entries - n_left}
-        degrees = [_lowest_degree(pieces[name], g_max[name], intervals[name], most) for name in pieces]
+        series = {name: _interval_series(pieces[name], g_max[name], intervals[name]) for name in pieces}
+        degrees = [_lowest_degree(series[name], most) for name in pieces]
         if None in degrees:
             continue
-        fitted = {name: _interval_polynomials(pieces[name], g_max[name], intervals[name], max(degrees))
-                  for name in pieces}  # fmt: skip
-        key = (max(degrees), max(bound for _, bound in fitted.values()))
+        key = (max(degrees), max(_cut_bound(series[name], max(degrees)) for name in pieces))
         if best is None or key < best[0]:
-            best = (key, intervals, fitted)
+            best = (key, intervals, series)
     if best is None:
         return None
-    (degree, bound), intervals, fitted = best
-    columns = fitted["right"][0] + fitted["left"][0]  # the right branch's intervals first
+    (degree, bound), intervals, series = best
+    fitted = {name: _interval_polynomials(series[name], degree) for name in pieces}
+    columns = fitted["right"] + fitted["left"]  # the right branch's intervals first
     rows = "\n".join(f"    ({', '.join(repr(col[k]) for col in columns)}),"
                      for k in range(degree + 1))  # fmt: skip
     name = f"NEAR_TABLE_{isa.upper()}"

@@ -32,7 +32,6 @@ from numba.core.errors import TypingError
 from numba.core.extending import intrinsic
 
 LANES = 16  # fp32 lanes of one 512-bit vector (two 256-bit ones): a block
-INTERVALS = 16  # per branch on AVX-512: the two branches' coefficient k fill one 32-entry vpermi2ps
 # Table entries one lookup instruction reads, by the instruction set whose lookup it is.
 LOOKUPS = {"avx512": 32, "avx2": 8}
 
@@ -79,7 +78,7 @@ def near_table(
     g_max: tuple[float, float],
     table: tuple[tuple[float, ...], ...],
     splits: tuple[float, float],
-    intervals: tuple[int, int] = (INTERVALS, INTERVALS),
+    intervals: tuple[int, int],
 ):
     """A numba intrinsic `near_block(y, dy, dx, start, count, bits) -> int64` for one block of up to 16
     elements from `start` (`count` of them; the rest of the vector is masked off, nothing is read or
