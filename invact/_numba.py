@@ -79,6 +79,24 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
+    """x as rows of its last dimension, where that dimension is contiguous and the others merge into
+    one with a stride of at least a row (a chunk of a fused projection's output): (the 1-D run of
+    storage from x's first element to its last, rows, row stride, columns), in elements; None for any
+    other layout."""
+    if x.dim() == 0 or x.numel() == 0 or x.stride(-1) != 1:
+        return None
+    cols = x.shape[-1]
+    try:
+        rows = x.view(-1, cols)
+    except RuntimeError:  # the leading dimensions do not merge
+        return None
+    count, stride = rows.shape[0], rows.stride(0)
+    if count > 1 and stride < cols:  # overlapping rows (an expanded tensor)
+        return None
+    return rows.as_strided(((count - 1) * stride + cols,), (1,)), count, stride, cols
+
+
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's forward, then the bits in one fused pass for float32 (other dtypes: the portable
     forward's)."""
@@ -90,8 +108,21 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
             set_lsb_less_(flat(y), flat(x), act.threshold)
             return y, x.new_empty(0, dtype=torch.uint8)
         return y, pack_less(flat(x), act.threshold)
-    # A chunk of a fused projection, say: compared in y's layout into a byte per element, rather
-    # than x copied into it (four bytes per element).
+    rows = _rows(x) if y.is_contiguous() else None
+    if rows is not None and (precision_bit or rows[3] % 8 == 0):  # a chunk of a fused projection
+        import numpy as np
+
+        run, count, stride, cols = rows
+        threshold = np.float32(act.threshold)  # as torch rounds a Python float it compares with
+        if precision_bit:
+            y_int = y.view(torch.int32).view(-1).numpy()
+            _kernels().set_lsb_less_rows(run.numpy(), count, stride, cols, y_int, threshold)
+            return y, x.new_empty(0, dtype=torch.uint8)
+        out = torch.empty(count * cols // 8, dtype=torch.uint8)
+        _kernels().pack_less_rows(run.numpy(), count, stride, cols, threshold, out.numpy())
+        return y, out
+    # Any other layout: compared in y's layout into a byte per element, rather than x copied into it
+    # (four bytes per element).
     left = flat(torch.lt(x, act.threshold, out=torch.empty_like(y, dtype=torch.bool)))
     if precision_bit:
         flat(y).view(torch.int32).bitwise_and_(-2).bitwise_or_(left.view(torch.uint8))

@@ -56,22 +56,60 @@ def test_pack_mask_matches_torchs_pack(n):
     assert torch.equal(_numba.pack_mask(mask), _bits.pack(mask))
 
 
-@pytest.mark.parametrize("columns", [7, 16, 1001])
-def test_forward_of_a_strided_input_packs_the_bits_in_ys_layout(columns):
-    # A chunk of a fused projection: x's rows are strided, y (torch's output) is contiguous; the bits
-    # follow y's element order, compared without copying x.
+# (rows, columns) of the chunk: columns not a multiple of 8 (bits by a torch compare), a multiple of
+# 8 (bits packed row by row where x lies), rows past one thread's turn of about a span's elements
+STRIDED = [(4, 7), (4, 16), (4, 1001), (3, 2056), (2 * SPAN // 16 + 3, 16)]
+
+
+def _chunk(rows: int, columns: int) -> torch.Tensor:
+    """The first half of a fused (rows, 2 * columns) output: strided rows, the last dimension dense."""
+    return _inputs(2 * rows * columns).view(rows, 2 * columns).chunk(2, dim=-1)[0]
+
+
+def _strided_layouts(rows: int, columns: int) -> dict[str, torch.Tensor]:
+    """A chunk as it comes (2-D), as (batch, sequence, width) (the leading dimensions merge into rows),
+    and transposed (the last dimension strided: the torch compare's path)."""
+    chunk = _chunk(rows, columns)
+    batched = _inputs(4 * rows * columns).view(2, rows, 2 * columns).chunk(2, dim=-1)[0]
+    return {"2-D": chunk, "3-D": batched, "transposed": chunk.t()}
+
+
+@pytest.mark.parametrize("layout", ["2-D", "3-D", "transposed"])
+@pytest.mark.parametrize(("rows", "columns"), STRIDED)
+def test_forward_of_a_strided_input_packs_the_bits_in_ys_layout(rows, columns, layout):
+    # The bits follow y's element order (torch's output of a strided x is contiguous), compared
+    # without copying x.
     from invact._layout import flat, like
 
-    x = _inputs(8 * columns).view(4, 2 * columns).chunk(2, dim=-1)[0]
+    x = _strided_layouts(rows, columns)[layout]
     y, bits = _numba.forward(ACTIVATIONS["gelu"], x, False)
     assert x.stride() != y.stride()
     assert torch.equal(bits, _bits.pack(is_left(flat(like(x, y)), T)))
 
 
-def test_precision_bit_forward_of_a_strided_input_sets_ys_lowest_bits():
+@pytest.mark.parametrize("layout", ["2-D", "3-D", "transposed"])
+@pytest.mark.parametrize(("rows", "columns"), STRIDED)
+def test_precision_bit_forward_of_a_strided_input_sets_ys_lowest_bits(rows, columns, layout):
     from invact._layout import flat, like
 
-    x = _inputs(8 * 101).view(4, 202).chunk(2, dim=-1)[0]
+    x = _strided_layouts(rows, columns)[layout]
     y, bits = _numba.forward(ACTIVATIONS["gelu"], x, True)
     want = _bits.with_lsb(ACTIVATIONS["gelu"].torch_forward(x), is_left(like(x, y), T))
     assert bits.numel() == 0 and torch.equal(flat(y).view(torch.int32), flat(want).view(torch.int32))
+
+
+@pytest.mark.parametrize(("shape", "rows"), [((4, 6, 16), (24, 32, 16)), ((2, 3, 8), (6, 16, 8))])
+def test_rows_of_a_chunk(shape, rows):
+    # (rows, row stride, columns) of the first half of a fused output along its last dimension
+    x = torch.zeros(*shape[:-1], 2 * shape[-1]).chunk(2, dim=-1)[0]
+    run, *found = _numba._rows(x)
+    assert tuple(found) == rows and run.data_ptr() == x.data_ptr()
+    assert run.numel() == (rows[0] - 1) * rows[1] + rows[2]
+
+
+def test_rows_refuses_layouts_that_are_not_rows():
+    x = torch.zeros(4, 6)
+    assert _numba._rows(x.t()) is None  # the last dimension strided
+    assert _numba._rows(x[:, ::2]) is None
+    assert _numba._rows(torch.zeros(4, 1, 16).expand(4, 3, 16)) is None  # leading dims do not merge
+    assert _numba._rows(torch.zeros(1, 16).expand(4, 16)) is None  # overlapping rows
