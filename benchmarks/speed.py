@@ -146,6 +146,37 @@ def _invact_copy(model: nn.Module, mode: str) -> nn.Module:
     return patched
 
 
+def _counting(step: Callable[[], None], usage: list[tuple[int, float]]) -> Callable[[], None]:
+    """step, appending to `usage` the page faults (minor: fresh pages touched the first time, 4 KiB
+    each) and the system CPU time (ms, every thread) each call takes. On a VM a fault costs about 2 us
+    (a 2-core KVM EPYC: 0.13 s of system time for the 74k faults of one GeGLU step), so a step that
+    touches hundreds of MB of fresh memory spends much of its time in the kernel, however fast its
+    arithmetic: the Llama row's weight gradients take 1.3 GB of fresh pages a step."""
+    import resource
+
+    def run():
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        step()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        usage.append((after.ru_minflt - before.ru_minflt, (after.ru_stime - before.ru_stime) * 1e3))
+
+    return run
+
+
+def allocator() -> str:
+    """The malloc this process runs with: tcmalloc or jemalloc where one is loaded (LD_PRELOAD), else
+    the C library's. glibc hands a freed block of 32 MB or more back to the kernel at once, so every
+    large tensor lands on fresh pages; tcmalloc keeps them for the next allocation."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for name in ("tcmalloc", "jemalloc", "mimalloc"):
+        if name in maps:
+            return name
+    return "the C library's malloc"
+
+
 GPU_BUSY_CALLS = 5  # steps profiled per variant for the GPU's busy time (CUDA only)
 
 
@@ -167,11 +198,19 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         step()
         step()
     times = {k: [] for k in variants}
+    usage = {k: [] for k in variants}  # CPU: (page faults, system ms) per step
+    if device == "cpu":
+        variants = {k: _counting(step, usage[k]) for k, step in variants.items()}
     order = list(variants)
     for round_ in range(repeats):  # the order rotates, so no variant always runs first (or after another)
         for k in order[round_ % len(order) :] + order[: round_ % len(order)]:
             times[k].append(clock(variants[k]))
     row = {"name": name, **{k: median_ms(v) for k, v in times.items()}}
+    for k, counts in usage.items():
+        if counts:
+            label = k.removesuffix("_ms")
+            row[f"{label}_page_faults"] = statistics.median(faults for faults, _ in counts)
+            row[f"{label}_system_ms"] = statistics.median(system for _, system in counts)
     ratios = [("invact_ms", "invact_ratio", "torch_ms")]
     ratios.append(("precision_bit_ms", "precision_bit_ratio", "torch_ms"))
     if compile_model:
@@ -333,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "numba": version("numba"),
         "numba_target": numba_target() if args.device == "cpu" else None,
         "cpu_kernel": cpu_kernel() if args.device == "cpu" else None,
+        "allocator": allocator() if args.device == "cpu" else None,
         "dtype": args.dtype,
         "settings": {
             "preset": "small" if args.small else args.preset,
@@ -359,6 +399,7 @@ def markdown(result: dict) -> str:
         head += ["torch.compile (ms)", "InvAct + torch.compile (ms)", "ratio to torch.compile"]
     target = f", numba compiling for {result['numba_target']}" if result.get("numba_target") else ""
     target += f", backward by {result['cpu_kernel']}" if result.get("cpu_kernel") else ""
+    target += f", allocator: {result['allocator']}" if result.get("allocator") else ""
     lines = [f"\n{result['device']}{target}, {result['dtype']}, forward+backward, medians\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in result["rows"]:
@@ -378,6 +419,13 @@ def markdown(result: dict) -> str:
         for r in busy:
             lines.append(f"| {r['name']} | {r['torch_gpu_ms']:.3f} | {r['invact_gpu_ms']:.3f} | "
                          f"{r['invact_gpu_ratio']:.3f}x |")  # fmt: skip
+    faults = [r for r in result["rows"] if "torch_page_faults" in r]
+    if faults:  # CPU: where a step's time goes to the kernel's page faults, not to the arithmetic
+        lines += ["", "| setup | page faults per step, torch | InvAct bits | system time per step, torch "
+                  "(ms) | InvAct bits (ms) |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in faults:
+            lines.append(f"| {r['name']} | {r['torch_page_faults']:.0f} | {r['invact_page_faults']:.0f} | "
+                         f"{r['torch_system_ms']:.1f} | {r['invact_system_ms']:.1f} |")  # fmt: skip
     first = result["first_call_s"]
     lines.append(f"\nfirst InvAct call in a fresh process: {first['cold']:.2f} s with empty kernel caches, "
                  f"{first['warm']:.2f} s with the caches it left")  # fmt: skip

@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "benchmarks" / "speed.py")
+ALLOCATORS = ("the C library's malloc", "tcmalloc", "jemalloc", "mimalloc")  # what speed.allocator names
 
 
 def test_small_cpu_run(tmp_path):
@@ -22,6 +23,8 @@ def test_small_cpu_run(tmp_path):
     for row in data["rows"]:
         assert row["torch_ms"] > 0 and row["invact_ms"] > 0 and row["precision_bit_ms"] > 0
     assert "| GeGLU (64, 32 -> 128) |" in proc.stdout
+    assert all(row["torch_page_faults"] >= 0 and row["invact_system_ms"] >= 0 for row in data["rows"])
+    assert "page faults per step" in proc.stdout and data["allocator"] in ALLOCATORS
     assert set(data["first_call_s"]) == {"cold", "warm"} and all(t > 0 for t in data["first_call_s"].values())
     bandwidth = {row["activation"]: row for row in data["cpu_backward"]}
     assert "gelu" in bandwidth and all(row["same_bytes_ms"] > 0 for row in bandwidth.values())
@@ -57,3 +60,28 @@ def test_device_busy_ms_sums_the_ops_of_the_calls(monkeypatch):
     a = torch.randn(64, 64)
     assert device_busy_ms(lambda: None, 3, "cpu") == 0
     assert device_busy_ms(lambda: torch.mm(a, a), 3, "cpu") > 0
+
+
+def test_counting_sees_each_fresh_page_a_step_touches(monkeypatch):
+    """The page faults speed.py reports per CPU step: a step that writes one byte into each page of a
+    fresh anonymous mapping (huge pages refused, so each page faults alone) takes at least one fault
+    a page, and the usage of each call is appended."""
+    import mmap
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from speed import _counting
+
+    pages = 2048
+
+    def touch():
+        memory = mmap.mmap(-1, pages * mmap.PAGESIZE)
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+        for page in range(pages):
+            memory[page * mmap.PAGESIZE] = 1
+        memory.close()
+
+    usage = []
+    step = _counting(touch, usage)
+    step()
+    step()
+    assert len(usage) == 2 and all(faults >= pages and system >= 0 for faults, system in usage)
