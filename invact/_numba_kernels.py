@@ -49,6 +49,15 @@ def pack_flags(flags, words, out):  # pragma: no cover - runs compiled
         _pack(flags[lo:hi], words[lo // 8 : hi // 8], out[lo // 8 :])
 
 
+@numba.njit(inline="always")
+def _pack_less(x, threshold, flags, words, out):  # pragma: no cover - runs compiled
+    """out = the packed bits (LSB first) of x < threshold, compared into `flags` (a buffer of at least
+    x.size bytes, in cache) and packed from `words`, a uint64 view of the whole buffer (see _pack)."""
+    for i in range(x.size):
+        flags[i] = x[i] < threshold
+    _pack(flags[: x.size], words[: x.size // 8], out)
+
+
 @numba.njit(parallel=True, cache=True)
 def pack_less(x, threshold, out):  # pragma: no cover - runs compiled
     """out = the packed bits (LSB first) of x < threshold. Each thread compares its span into a flag
@@ -58,11 +67,7 @@ def pack_less(x, threshold, out):  # pragma: no cover - runs compiled
     for p in numba.prange((x.size + _SPAN - 1) // _SPAN):
         lo, hi = p * _SPAN, min(x.size, (p + 1) * _SPAN)
         flags = np.empty(_SPAN, dtype=np.uint8)
-        words = flags.view(np.uint64)  # of the whole buffer: see _pack
-        span = x[lo:hi]
-        for i in range(hi - lo):
-            flags[i] = span[i] < threshold
-        _pack(flags[: hi - lo], words[: (hi - lo) // 8], out[lo // 8 :])
+        _pack_less(x[lo:hi], threshold, flags, flags.view(np.uint64), out[lo // 8 :])
 
 
 @numba.njit(parallel=True, cache=True)
@@ -76,12 +81,11 @@ def pack_less_rows(x, rows, row_stride, cols, threshold, out):  # pragma: no cov
     per = max(1, _SPAN // cols)
     for p in numba.prange((rows + per - 1) // per):
         flags = np.empty(cols, dtype=np.uint8)
-        words = flags.view(np.uint64)  # cols // 8 whole words: see _pack
+        words = flags.view(np.uint64)
         for r in range(p * per, min(rows, (p + 1) * per)):
-            row = x[r * row_stride : r * row_stride + cols]
-            for i in range(cols):
-                flags[i] = row[i] < threshold
-            _pack(flags, words, out[r * (cols // 8) :])
+            _pack_less(
+                x[r * row_stride : r * row_stride + cols], threshold, flags, words, out[r * (cols // 8) :]
+            )
 
 
 @numba.njit(parallel=True, cache=True)
