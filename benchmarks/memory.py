@@ -13,8 +13,9 @@ bits are. "InvAct gated" is invact.patch's default, which also keeps a gated MLP
 saving the product act(g) * u (recomputed in backward from the y and u the multiply saves; invact.gated):
 its ideal adds the bytes of every such product a down projection is given. Where g and u are halves of
 one fused gate_up output (Phi-3, MoE experts) the activation-only patch frees nothing (u keeps that
-output saved; "InvAct bits" adds the bits there) and the gated path copies u out, so the ideal holds for
-it alone. The gated families beyond Llama and Mistral are scaled down (4 layers of 512, seq 512).
+output saved; "InvAct bits" adds the bits there) and the gated path moves y and u into that output
+(freeing y's own storage), so the ideal holds for it alone. The gated families beyond Llama and
+Mistral are scaled down (4 layers of 512, seq 512).
 invact.memory counts what it saves exactly (a test checks it against the profiler's net memory held
 after the forward). Prints a markdown table and writes benchmarks/results/memory_<device>.{json,md}.
 """

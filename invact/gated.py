@@ -7,8 +7,9 @@ experts module whose down projection is a functional call) so that, while it run
 tensor that is h (or a view of h) is stored as a recompute handle instead: in backward, h is
 recomputed as the multiply's own saved operands, y * u, bitwise the same tensor (one deterministic
 elementwise op on the same inputs). Where g and u are the two halves of one fused gate_up output
-(Phi-3, MoE experts), u is copied out of it when the module returns, so that the half holding g is
-freed (InvAct saves y, not g). Every other saved tensor is stored as it is.
+(Phi-3, MoE experts), u alone would keep g's half too (InvAct saves y, not g): when the module
+returns, y and u move into that output, densely, and y's own storage is freed, or, where that is not
+safe (see _move_into), u is copied out of it. Every other saved tensor is stored as it is.
 
 What is recognised, by structure and not by class name: a tensor whose autograd node (or its view
 base's) is a multiply of which one operand is an InvAct output (any activation, either mode, either
@@ -78,9 +79,9 @@ class _Recompute:
         return h.as_strided(self.size, self.stride, h.storage_offset() + self.offset)
 
 
-class _Part:
-    """A saved tensor that is part, not all, of its storage: the view itself until the hooked module
-    returns, then (see _Scope.close) possibly a compact copy of it."""
+class _Saved:
+    """A tensor some op inside the hooked module saved: the tensor itself until the module returns,
+    then (see _Scope.close) possibly the same values elsewhere."""
 
     __slots__ = ("t",)
 
@@ -98,50 +99,127 @@ def _tensors(output) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _holders(storage) -> int | None:
+    """How many tensors hold `storage` (torch counts its own Python object too); None where torch
+    cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(storage._cdata) - 1
+
+
+def _halves(g: torch.Tensor, u: torch.Tensor) -> int | None:
+    """Where g and u are the two halves of every row of one storage and fill it (chunk(2, -1) of a
+    fused gate_up output): u's offset in a row, 0 or the row's half; None otherwise."""
+    cols = g.shape[-1]
+    if g.shape != u.shape or g.dtype != u.dtype or g.stride(-1) != 1 or u.stride(-1) != 1 or cols == 0:
+        return None
+    try:
+        rows_g, rows_u = g.view(-1, cols), u.view(-1, cols)
+    except RuntimeError:  # the leading dimensions do not merge
+        return None
+    count = rows_g.shape[0]
+    if count > 1 and not rows_g.stride(0) == rows_u.stride(0) == 2 * cols:
+        return None
+    if g.untyped_storage().nbytes() != count * 2 * cols * g.element_size():
+        return None
+    offsets = (g.storage_offset(), u.storage_offset())
+    return offsets[1] if offsets in ((0, cols), (cols, 0)) else None
+
+
+def _move_into(g: torch.Tensor, y: torch.Tensor, parts: list[_Saved], saved_y: list[_Saved]) -> bool:
+    """With g and u (the saved parts) the two halves of each row of one storage S and nothing but
+    these references holding S or y (y = act(g)): move u to S's first half and y to its second, both
+    dense, and point the saved references there. y's own storage is then freed, and S, its pages
+    already touched, holds what the module saves: no fresh memory, where a copy of u would take as
+    many bytes of fresh pages (on CPU a page fault costs microseconds: 8k faults for a 32 MB copy).
+    False, with nothing changed, where any condition does not hold."""
+    u = parts[0].t
+    if any(p.t is not u for p in parts) or any(s.t is not y for s in saved_y):
+        return False
+    if y.shape != g.shape or y.dtype != g.dtype or not y.is_contiguous() or y.device != g.device:
+        return False
+    offset = _halves(g, u)
+    if offset is None:
+        return False
+    storage, y_storage = g.untyped_storage(), y.untyped_storage()
+    known = {id(t) for t in (g, g._base, u, u._base) if t is not None}
+    if _holders(storage) != len(known) or _holders(y_storage) != 1:  # someone else holds S or y
+        return False
+    n, cols = g.numel(), g.shape[-1]
+    with torch.no_grad():
+        dense = torch.empty(0, dtype=g.dtype, device=g.device).set_(storage, 0, (2 * n,), (1,))
+        rows = dense.view(-1, 2 * cols)[:, offset : offset + cols]  # u, row by row
+        # Compacting in place: row r goes to [r, r + 1) cols, over what was row r // 2's half (read
+        # already). Rows in [a, 2a) land in [a, 2a) * cols and come from [2a, 4a) * cols: one copy per
+        # doubling, each of two disjoint ranges.
+        start = 1 if offset == 0 else 0  # row 0 is in place where u leads
+        while start < rows.shape[0]:
+            stop = min(max(2 * start, 1), rows.shape[0])
+            dense[start * cols : stop * cols].view(-1, cols).copy_(rows[start:stop])
+            start = stop
+        dense[n:].copy_(y.view(-1))
+    u_moved, y_moved = dense[:n].view(u.shape), dense[n:].view(y.shape)
+    for p in parts:
+        p.t = u_moved
+    for s in saved_y:
+        s.t = y_moved
+    return True
+
+
 class _Scope:
     """One call of a hooked module in progress: its saved-tensor hooks and what they have seen.
 
-    Pack a gated product as a _Recompute and a part of a storage as a _Part; hand every other tensor
-    to `observer` (its pack records and returns the tensor) if given. InvAct modules inside record
-    the storages of their inputs (see _note_input)."""
+    Pack a gated product as a _Recompute and every other tensor as a _Saved, handed at the module's
+    return to `observer` (its pack records and returns the tensor) if given. InvAct modules inside
+    record their input and output (see _note_call)."""
 
     def __init__(self, observer=None) -> None:
         self.observe = observer or (lambda t: t)
-        self.inputs: set[int] = set()  # storages of the inputs of InvAct modules called inside
-        self.whole: set[int] = set()  # storages some op saved whole
-        self.parts: list[_Part] = []
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, y) of each InvAct module inside
+        self.saved: list[_Saved] = []
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
         node = _product_node(t)
         if node is not None:
             return _Recompute(node, t)
-        storage = t.untyped_storage()
-        if t.numel() * t.element_size() < storage.nbytes():
-            self.parts.append(_Part(t))
-            return self.parts[-1]
-        self.whole.add(storage.data_ptr())
-        return self.observe(t)
+        self.saved.append(_Saved(t))
+        return self.saved[-1]
 
     @staticmethod
     def unpack(saved):
         if isinstance(saved, _Recompute):
             return saved.tensor()
-        return saved.t if isinstance(saved, _Part) else saved
+        return saved.t
 
     def close(self, arguments: tuple, output) -> None:
-        """At the module's return, copy each saved part of an InvAct input's storage out of it: u,
-        when g and u are the halves of one fused gate_up output. InvAct saves y, not g, so u alone
-        would keep the whole output; with u copied out, nothing does, and g's half is freed. Not
-        where some op in the call saved that storage whole, or the module was given it or returns
-        it (its caller holds it): there the copy would add u's bytes."""
+        """At the module's return, stop keeping g where it is half of a fused gate_up output: InvAct
+        saves y, not g, so u alone would keep the whole output. Either y and u move into that
+        storage (_move_into) or u is copied out of it. Neither where some op in the call saved that
+        storage whole, or the module was given it or returns it (its caller holds it): there the
+        storage stays, and a copy would add u's bytes."""
+        by_storage: dict[int, list[_Saved]] = {}
+        for s in self.saved:
+            by_storage.setdefault(_ptr(s.t), []).append(s)
         given = [t for a in arguments for t in _tensors(a)]
-        kept = self.whole | {t.untyped_storage().data_ptr() for t in (*given, *_tensors(output))}
-        for part in self.parts:
-            ptr = part.t.untyped_storage().data_ptr()
-            if ptr in self.inputs and ptr not in kept:
-                part.t = part.t.detach().clone(memory_format=torch.contiguous_format)
-            part.t = self.observe(part.t)
+        kept = {
+            _ptr(s.t)
+            for s in self.saved
+            if s.t.numel() * s.t.element_size() == s.t.untyped_storage().nbytes()
+        }
+        kept |= {_ptr(t) for t in (*given, *_tensors(output))}
+        calls, self.calls = self.calls, []
+        for x, y in calls:
+            ptr = _ptr(x)
+            parts = [] if ptr in kept else by_storage.pop(ptr, [])
+            if parts and not _move_into(x, y, parts, by_storage.get(_ptr(y), [])):
+                for part in parts:
+                    part.t = part.t.detach().clone(memory_format=torch.contiguous_format)
+        for s in self.saved:
+            s.t = self.observe(s.t)
 
 
 class _Calls(threading.local):
@@ -155,11 +233,11 @@ class _Calls(threading.local):
 _CALLS = _Calls()
 
 
-def _note_input(module, args) -> None:
-    """Forward pre-hook of an InvAct module inside a hooked one: record its input's storage."""
+def _note_call(module, args, output) -> None:
+    """Forward hook of an InvAct module inside a hooked one: record its input and output."""
     scopes = _CALLS.scopes
     if scopes and not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
-        scopes[-1].inputs.add(args[0].untyped_storage().data_ptr())
+        scopes[-1].calls.append((args[0], output))
 
 
 _STAND_ASIDE = object()
@@ -220,7 +298,7 @@ def recompute_products(module: nn.Module) -> bool:
     module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     module._invact_recompute_products = True
     for act in module.modules():
-        if isinstance(act, InvAct) and not getattr(act, "_invact_notes_input", False):
-            act.register_forward_pre_hook(_note_input)
-            act._invact_notes_input = True
+        if isinstance(act, InvAct) and not getattr(act, "_invact_notes_calls", False):
+            act.register_forward_hook(_note_call)
+            act._invact_notes_calls = True
     return True

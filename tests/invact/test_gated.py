@@ -2,6 +2,8 @@
 measured without saved-tensor hooks (net memory held after the forward, from the profiler), with
 gradients bitwise those of the activation-only patch (the product is recomputed exactly)."""
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +20,9 @@ EXPERTS, MOE_INTERMEDIATE, SHARED_INTERMEDIATE = 4, 96, 128
 
 def _held_bytes(model: nn.Module, inputs: dict, autocast: bool = False) -> int:
     """Bytes allocated and not freed during one training forward (what autograd keeps, plus the
-    output): the sum of the profiler's self_cpu_memory_usage over its events. No saved-tensor hooks."""
+    output): the sum of the profiler's self_cpu_memory_usage over its events. No saved-tensor hooks.
+    Earlier tests' garbage is collected first: freed inside the profile, it would count as negative."""
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(**inputs)
@@ -97,7 +101,7 @@ def _decoders():
 
 def _ideal(label: str) -> int:
     """Bytes the gated path saves beyond the activation-only patch in one fp32 forward of BATCH x SEQ
-    tokens: every product, and g's half of each fused gate_up output (u is copied out)."""
+    tokens: every product, and g's half of each fused gate_up output (y moves into it, or u out)."""
     _, products, fused = _decoders()[label]
     return LAYERS * BATCH * SEQ * (products + fused) * 4
 
@@ -384,35 +388,112 @@ def test_a_fused_gate_up_gains_only_with_the_gated_path(label):
     assert len(invact.patch(model, example_inputs=inputs)) == LAYERS
 
 
-@pytest.mark.parametrize(("whole_saved", "extra_saving"), [(False, "g"), (True, "none")])
-def test_u_is_copied_out_of_a_fused_gate_up_only_where_that_frees_it(whole_saved, extra_saving):
-    # Where another op in the module saves the gate_up output whole, copying u out would add its
-    # bytes: there only the product is saved less; elsewhere g's half goes too.
-    class Fused(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_up, self.down = nn.Linear(HIDDEN, 2 * INTERMEDIATE), nn.Linear(INTERMEDIATE, HIDDEN)
-            self.act = nn.SiLU()
+class _Fused(nn.Module):
+    """down(act(g) * u) with g and u the two halves of one gate_up output (u first where `u_first`);
+    where `whole_saved`, an op also saves that output whole."""
 
-        def forward(self, x):
-            gate_up = self.gate_up(x)
-            g, u = gate_up.chunk(2, dim=-1)
-            out = self.down(self.act(g) * u)
-            return out + gate_up.square().mean() if whole_saved else out
+    def __init__(self, u_first: bool = False, whole_saved: bool = False):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(HIDDEN, 2 * INTERMEDIATE), nn.Linear(INTERMEDIATE, HIDDEN)
+        self.act, self.u_first, self.whole_saved = nn.SiLU(), u_first, whole_saved
 
+    def forward(self, x):
+        gate_up = self.gate_up(x)
+        g, u = gate_up.chunk(2, dim=-1)[:: -1 if self.u_first else 1]
+        out = self.down(self.act(g) * u)
+        return out + gate_up.square().mean() if self.whole_saved else out
+
+
+def _fused_pair(dtype=torch.float32, **kwargs):
+    """_Fused patched twice, the same weights: activation-only and gated."""
     torch.manual_seed(0)
-    plain, gated = Fused(), Fused()
+    plain, gated = _Fused(**kwargs).to(dtype), _Fused(**kwargs).to(dtype)
     gated.load_state_dict(plain.state_dict())
     invact.patch(plain, gated=False)
     invact.patch(gated)
+    return plain, gated
+
+
+@pytest.mark.parametrize(("whole_saved", "extra_saving"), [(False, "g"), (True, "none")])
+def test_g_is_freed_from_a_fused_gate_up_only_where_that_frees_it(whole_saved, extra_saving):
+    # Where another op in the module saves the gate_up output whole, freeing g's half is impossible
+    # and moving or copying u would add bytes: there only the product is saved less; elsewhere g's
+    # half goes too.
+    plain, gated = _fused_pair(whole_saved=whole_saved)
     inputs = {"x": torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)}
     saving = _held_bytes(plain, inputs) - _held_bytes(gated, inputs)
     product = BATCH * SEQ * INTERMEDIATE * 4
     assert saving == product + (product if extra_saving == "g" else 0)
-    measured = invact.plan(Fused(), example_inputs=inputs)
+    measured = invact.plan(_Fused(whole_saved=whole_saved), example_inputs=inputs)
     assert [d.gated_bytes for d in measured] == [saving]
     for m in (plain, gated):
         m(**inputs).square().sum().backward()
+    pairs = zip(plain.parameters(), gated.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+
+
+def _saved_operands(model: nn.Module, x: torch.Tensor):
+    """(output, the data pointer of the gate_up output, the multiply's saved operands): the pointer
+    recorded by a hook that keeps no reference to the tensor, the operands unpacked through the
+    module's saved-tensor hooks after it returned."""
+    seen = {}
+    hooks = [
+        model.gate_up.register_forward_hook(lambda m, a, out: seen.update(ptr=out.data_ptr())),
+        model.down.register_forward_pre_hook(lambda m, a: seen.update(node=a[0].grad_fn)),
+    ]
+    try:
+        out = model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    node = seen["node"]
+    return out, seen["ptr"], (node._saved_self, node._saved_other)
+
+
+@pytest.mark.parametrize("u_first", [False, True])
+@pytest.mark.parametrize("tokens", [(BATCH, SEQ), (5,), (1,)])  # rows: several doublings, a partial one, one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_y_and_u_move_into_the_gate_up_output_with_the_same_gradients(u_first, tokens, dtype):
+    # No fresh memory for u: y and u end up, dense, in the storage g and u came in.
+    plain, gated = _fused_pair(dtype, u_first=u_first)
+    x = torch.randn(*tokens, HIDDEN, dtype=dtype, requires_grad=True)
+    out_plain, _, want = _saved_operands(plain, x)
+    out, ptr, got = _saved_operands(gated, x)
+    assert all(t.untyped_storage().data_ptr() == ptr for t in got)
+    assert all(a.is_contiguous() and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(out, out_plain)
+    for o in (out_plain, out):
+        o.float().square().sum().backward()
+    pairs = zip(plain.parameters(), gated.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+
+
+@pytest.mark.parametrize(
+    ("module", "keep", "moves"),
+    [
+        ("gate_up", lambda out: out, False),  # y would overwrite its g half
+        ("gate_up", lambda out: out[..., :INTERMEDIATE], False),  # g itself
+        ("act", lambda y: y[1:], False),  # y's storage would not be freed
+        ("act", lambda y: y, True),  # y keeps its storage and values; the saved copy moves
+    ],
+    ids=["gate_up output", "g", "view of y", "y"],
+)
+def test_a_tensor_held_outside_the_module_keeps_its_values(module, keep, moves):
+    # A forward hook keeps a tensor. Where moving y and u would overwrite it or keep both y's and
+    # gate_up's storage, nothing moves and u is copied out as before.
+    plain, gated = _fused_pair()
+    kept = []
+    getattr(gated, module).register_forward_hook(
+        lambda m, a, out: kept.append((keep(out), keep(out).clone()))
+    )
+    x = torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)
+    out_plain, _, want = _saved_operands(plain, x)
+    out, ptr, got = _saved_operands(gated, x)
+    assert torch.equal(kept[0][0], kept[0][1])
+    assert [t.untyped_storage().data_ptr() == ptr for t in got] == [moves, moves]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for o in (out_plain, out):
+        o.square().sum().backward()
     pairs = zip(plain.parameters(), gated.parameters(), strict=True)
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
 
