@@ -218,7 +218,8 @@ class _Scope:
             if parts and not _move_into(x, y, parts, by_storage.get(_ptr(y), [])):
                 for part in parts:
                     part.t = part.t.detach().clone(memory_format=torch.contiguous_format)
-        for s in self.saved:
+        saved, self.saved = self.saved, []  # from now on the saved-tensor slots alone hold them
+        for s in saved:
             s.t = self.observe(s.t)
 
 

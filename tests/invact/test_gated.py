@@ -498,6 +498,29 @@ def test_a_tensor_held_outside_the_module_keeps_its_values(module, keep, moves):
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
 
 
+@pytest.mark.parametrize("moves", [True, False], ids=["moved", "u copied"])
+def test_the_saved_operands_are_freed_once_their_nodes_have_run(moves):
+    # After the multiply's and the activation's backward, nothing holds y and u (moved into the
+    # gate_up output, or y and a copy of u): their storage is gone before gate_up's own backward
+    # runs, as torch's is, rather than kept by the hooks to the end of the module's backward.
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    _, gated = _fused_pair()
+    seen, kept = {}, []
+    if not moves:  # a hook holding the gate_up output: u is copied out instead
+        gated.gate_up.register_forward_hook(lambda m, a, out: kept.append(out))
+    gated.gate_up.register_forward_hook(lambda m, a, out: seen.update(node=out.grad_fn))
+    gated.down.register_forward_pre_hook(lambda m, a: seen.update(mul=a[0].grad_fn))
+    out = gated(torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True))
+    mul = seen.pop("mul")
+    storages = [StorageWeakRef(t.untyped_storage()) for t in (mul._saved_self, mul._saved_other)]
+    del mul
+    freed = []
+    seen["node"].register_prehook(lambda grads: freed.append([s.expired() for s in storages]))
+    out.square().sum().backward()
+    assert freed == [[True, True]]
+
+
 def test_u_is_not_copied_out_of_a_gate_up_output_the_module_was_given():
     # The MLP gets gate_up from its caller, which saves it whole after the call: the hooked module
     # cannot see that save, so it must not copy u (the copy would add u's bytes): only the product goes.
