@@ -292,39 +292,80 @@ def backward_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
         _backward_span(y[lo:hi], flags[: hi - lo], dy[lo:hi], dx[lo:hi])
 '''
 
-# Where codegen printed NEAR_TABLE_<ISA>: the kernels that read it, for each such instruction set.
-_NUMBA_LANE_BITS = (
-    "\n\n_LANE_BITS = 0xFFFF  # a block's left far notes; the right ones are the next 16 bits\n"
-)
+# Where codegen printed NEAR_TABLE_<ISA>: the kernels that read it, for each such instruction set. The
+# far pieces run on lists of the elements whose notes ask for them (_far_<branch>, shared by the
+# instruction sets).
+_NUMBA_FAR_LISTS = '''
+
+# Blocks with far notes a span lists before their far pieces run (_far_pieces), and the room that
+# takes: a block's elements each at most (_BLOCK, the most lanes a table kernel's block has). 128
+# blocks (with their elements, 17 KB) stay in cache; N(0, 1) inputs fill the list about once per
+# 2^16-element span.
+_NOTED = 128
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _far_pieces(y, dy, dx, starts, notes, count, lanes, at, values):  # pragma: no cover - runs compiled
+    """The far pieces of the first `count` listed blocks (block starts[b] of `lanes` elements, its notes
+    notes[b]: the left branch's in the low `lanes` bits, the right's above): dx[i] = dy[i] *
+    q_<branch>_far(y[i]) on each noted element (NaN where y[i] is +-inf or NaN). Each branch's
+    elements are listed in `at`, their y gathered into `values` (both with room for lanes * count),
+    where the far piece runs vectorized, then scattered."""
+    for branch in range(2):
+        listed = 0
+        for b in range(count):
+            listed = _lookup.note(at, listed, starts[b], (notes[b] >> (branch * lanes)) & ((1 << lanes) - 1))
+        for t in range(listed):
+            values[t] = y[at[t]]
+        if branch == 0:
+            for t in range(listed):
+                values[t] = _q_left_far(values[t])
+        else:
+            for t in range(listed):
+                values[t] = _q_right_far(values[t])
+        for t in range(listed):
+            i = at[t]
+            dx[i] = _lookup.far_value(values[t], y[i], dy[i])
+'''
 _NUMBA_TABLE = '''
 
 _near_block_{isa} = _lookup.near_table(
-    NEAR_TABLE_G, NEAR_TABLE_G_MAX, NEAR_TABLE_{ISA}, (LEFT_SPLIT, RIGHT_SPLIT), NEAR_TABLE_{ISA}_INTERVALS
+    NEAR_TABLE_G, NEAR_TABLE_{ISA}_SCALE, NEAR_TABLE_{ISA}, (LEFT_SPLIT, RIGHT_SPLIT),
+    NEAR_TABLE_{ISA}_ENTRIES,
 )
+_LANES_{ISA} = _lookup.LANES["{isa}"]  # elements per block of the {isa} kernels
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
 def _table_span_{isa}(y, flags, dy, dx, packed):  # pragma: no cover - runs compiled
-    """_backward_span by NEAR_TABLE_{ISA}, block by block of 16 elements: the near pieces of a block in
-    one call of _near_block_{isa} (invact._lookup), which returns its far notes; then, where a note asks,
-    that branch's far piece for the whole block (vectorized) into `far`, stored on the noted elements
-    alone. The bits: see invact._lookup.branch_word. Inlined into one function per `packed`, a constant
-    there: with both paths in one loop, LLVM kept the table's registers on the stack (measured slower)."""
+    """_backward_span by NEAR_TABLE_{ISA}, block by block of _LANES_{ISA} elements: the near pieces of a
+    block in one call of _near_block_{isa} (invact._lookup), which returns its far notes. A block with
+    notes is listed without a branch (its start and notes written, the count moved by one if it has
+    any), and the list's far pieces run when it is full and at the end (_far_pieces). The near pieces'
+    loop is bound by its chains' latency, so a branch mispredicted on a noted block cost it most of a
+    block (measured on Zen 4, AVX2, N(0, 1) inputs: 0.16 ns per element where the far pieces took
+    0.05). The bits: see invact._lookup.branch_word. Inlined into one function per `packed`, a
+    constant there: with both paths in one loop, LLVM kept the table's registers on the stack
+    (measured slower)."""
     n = y.size
-    far = np.empty(_BLOCK, dtype=np.float32)
-    full = n - n % _BLOCK
-    for lo in range(0, full, _BLOCK):
-        m = _near_block_{isa}(y, dy, dx, lo, _BLOCK, flags) if packed else _near_block_{isa}(
-            y, dy, dx, lo, _BLOCK, _lookup.branch_word(flags, lo, _BLOCK, False))
-        if not _lookup.rarely(m):
-            continue
-{far_passes}
-    if full < n:  # the partial block: its far pieces element by element
-        count = n - full
-        m = _near_block_{isa}(y, dy, dx, full, count, _lookup.branch_word(flags, full, count, packed))
-        for j in range(count):
-            i = full + j
-{tail_passes}
+    starts, notes = np.empty(_NOTED, dtype=np.int64), np.empty(_NOTED, dtype=np.int64)
+    at, values = np.empty(_NOTED * _BLOCK, dtype=np.int64), np.empty(_NOTED * _BLOCK, dtype=np.float32)
+    count = 0
+    full = n - n % _LANES_{ISA}
+    for lo in range(0, full, _LANES_{ISA}):
+        m = _near_block_{isa}(y, dy, dx, lo, _LANES_{ISA}, flags) if packed else _near_block_{isa}(
+            y, dy, dx, lo, _LANES_{ISA}, _lookup.branch_word(flags, lo, _LANES_{ISA}, False))
+        starts[count], notes[count] = lo, m
+        count += m != 0
+        if _lookup.rarely(count == _NOTED):
+            _far_pieces(y, dy, dx, starts, notes, count, _LANES_{ISA}, at, values)
+            count = 0
+    if full < n:  # the partial block
+        last = n - full
+        m = _near_block_{isa}(y, dy, dx, full, last, _lookup.branch_word(flags, full, last, packed))
+        starts[count], notes[count] = full, m
+        count += m != 0
+    _far_pieces(y, dy, dx, starts, notes, count, _LANES_{ISA}, at, values)
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
@@ -352,7 +393,7 @@ def table_kernel_{isa}(y, flags, dy, dx):  # pragma: no cover - runs compiled
 @numba.njit(parallel=True, cache=True)
 def table_kernel_bits_{isa}(y, bits, dy, dx):  # pragma: no cover - runs compiled
     """backward_kernel_bits by NEAR_TABLE_{ISA} (needs {needs}): nothing unpacked, each block reads its
-    two bytes of bits."""
+    byte(s) of bits."""
     for p in numba.prange((y.size + _SPAN - 1) // _SPAN):
         lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
         _table_span_bits_{isa}(y[lo:hi], bits[lo // 8 : (hi + 7) // 8], dy[lo:hi], dx[lo:hi])
@@ -371,13 +412,6 @@ if _lookup.instruction_set() in TABLE_KERNELS:
 """
 _TABLE_NEEDS = {"avx512": "AVX-512F", "avx2": "AVX2"}
 
-_NUMBA_TABLE_FAR_PASS = """        if {notes}:
-            for j in range(_BLOCK):
-                far[j] = _lookup.far_value(_q_{name}_far(y[lo + j]), y[lo + j], dy[lo + j])
-            _lookup.store_lanes(dx, far, lo, {notes})"""
-_NUMBA_TABLE_TAIL_PASS = """            if (({notes}) >> j) & 1:
-                dx[i] = _lookup.far_value(_q_{name}_far(y[i]), y[i], dy[i])"""
-_TABLE_NOTES = {"left": "m & _LANE_BITS", "right": "m >> _BLOCK"}
 
 # The partial block at the end of a span: its far pieces element by element, as its notes ask.
 _NUMBA_TAIL_PASS = """    for i in range(full, n):
@@ -479,19 +513,26 @@ def _shared_near(left: sympy.Expr, right: sympy.Expr, printer: ScalarPrinter) ->
 
 
 # The near tables (invact._lookup): per instruction set, the entries one lookup instruction reads (the
-# two branches' intervals together; invact._lookup.LOOKUPS, checked equal by tests/codegen) and the
-# highest degree worth a table. The intervals are split between the branches where the degree that
-# meets NEAR_TABLE_BOUND on both is lowest.
+# two branches' entries together; invact._lookup.LOOKUPS, checked equal by tests/codegen) and the
+# highest degree worth a table. The entries are split between the branches where the degree that
+# meets the instruction set's NEAR_TABLE_BOUND on both is lowest.
 NEAR_TABLE_LOOKUPS = {"avx512": 32, "avx2": 8}
 # A lookup and a multiply-add per coefficient, where the polynomial in g (degree 14 for the floor fits)
 # costs a blend and a multiply-add: an 8-entry AVX2 table pays beyond degree 12, a 32-entry one
 # (cheap at degree 5, and its two-register lookup the dearer instruction) beyond 8.
 NEAR_TABLE_MAX_DEGREE = {"avx512": 8, "avx2": 12}
-# 2^-26 = 1.5e-8: a quarter of fp32's half ulp at 1 (2^-24; q's size on the right branch), so the table's
-# own error stays far below the fp32 evaluation error of the polynomial it stands for (within
-# 2.3e-7 of float64, measured: tests/codegen/test_generated_precision.py).
-NEAR_TABLE_BOUND = 2.0**-26
-_CHEBYSHEV_NODES = 64  # per interval: more than any near piece's degree + 1, so the fit is exact
+# |table - near piece| allowed, per instruction set. The kernels' fp32 evaluation of a near piece stays
+# within 1e-6 of its float64 value (tests/codegen/test_generated_precision.py; measured worst 1.7e-7),
+# and the table's error adds to that. 2^-26 = 1.5e-8, a quarter of fp32's half ulp at 1 (q's size on
+# the right branch), leaves it far below: AVX-512's 32 entries reach it at degree 5 or less. AVX2's 8
+# entries pay two instructions per coefficient per 16 elements and need degree 9 for it (gelu), where
+# 2^-22 = 2.4e-7 (with the 1.7e-7 still under half of the 1e-6) needs 7: measured on Zen 4 in cache,
+# each degree costs the AVX2 kernel 0.045 ns per element of about 0.7.
+NEAR_TABLE_BOUND = {"avx512": 2.0**-26, "avx2": 2.0**-22}
+_CHEBYSHEV_NODES = 64  # per entry: more than any near piece's degree + 1, so the fit is exact
+# How far past the split the last entry's polynomial holds, in u: fp32 rounding of g moves k g by
+# about 1e-7 of n there (n <= 31), so 2^-16 = 1.5e-5 leaves room.
+_PAST_THE_SPLIT = 2.0**-16
 
 
 def _sqrt_of_clamped_shift(g: sympy.Expr) -> tuple[float, float, float] | None:
@@ -509,35 +550,46 @@ def _sqrt_of_clamped_shift(g: sympy.Expr) -> tuple[float, float, float] | None:
     return float(e1[0]), float(shifted[0] - spec.Y), float(numbers[0])
 
 
-def _interval_series(piece, g_max: float, intervals: int) -> list:
-    """piece(g) on each interval j of g = (j + u) * g_max / intervals, u in [0, 1], as its Chebyshev
-    series in u (exact: the piece is a polynomial of lower degree than the nodes)."""
+def _entry_scale(g_max: float, entries: int) -> float:
+    """k, the fp32 factor the kernel multiplies g by: k g = n (= entries - 1) at the split, so entry j
+    holds k g in [j - 1/2, j + 1/2]."""
+    return float(np.float32((entries - 1) / g_max))
+
+
+def _entry_series(piece, g_max: float, entries: int) -> list:
+    """piece(g) on each entry j of g = (j + u) / k (k = _entry_scale) as its Chebyshev series in u, on
+    the part of [-1/2, 1/2] that g from 0 to the split covers (and _PAST_THE_SPLIT beyond it). Exact: the
+    piece is a polynomial of lower degree than the nodes."""
     from numpy.polynomial import Chebyshev
 
-    width = g_max / intervals
-    nodes = (np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES) + 1) / 2  # in [0, 1]
-    return [Chebyshev.fit(nodes, piece((j + nodes) * width), _CHEBYSHEV_NODES - 1, domain=[0, 1])
-            for j in range(intervals)]  # fmt: skip
+    k = _entry_scale(g_max, entries)
+    series = []
+    for j in range(entries):
+        lo, hi = max(-0.5, -j), min(0.5, g_max * k - j + _PAST_THE_SPLIT)
+        cosines = np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES)
+        nodes = lo + (hi - lo) * (cosines + 1) / 2
+        series.append(Chebyshev.fit(nodes, piece((j + nodes) / k), _CHEBYSHEV_NODES - 1, domain=[lo, hi]))
+    return series
 
 
 def _cut_bound(series: list, degree: int) -> float:
-    """The largest sum of the magnitudes of the terms past `degree` over the intervals' series, which
+    """The largest sum of the magnitudes of the terms past `degree` over the entries' series, which
     bounds |cut series - piece| since |T_k| <= 1."""
     return max(float(np.abs(s.coef[degree + 1 :]).sum()) for s in series)
 
 
-def _lowest_degree(series: list, most: int) -> int | None:
-    """The lowest degree up to `most` whose cut meets NEAR_TABLE_BOUND on every interval, else None."""
-    return next((d for d in range(1, most + 1) if _cut_bound(series, d) <= NEAR_TABLE_BOUND), None)
+def _lowest_degree(series: list, most: int, bound: float) -> int | None:
+    """The lowest degree up to `most` whose cut meets `bound` on every entry, else None."""
+    return next((d for d in range(1, most + 1) if _cut_bound(series, d) <= bound), None)
 
 
-def _interval_polynomials(series: list, degree: int) -> list[list[float]]:
-    """coefficients[j][k] of u^k on interval j: each interval's series cut to `degree` (economization)."""
+def _entry_polynomials(series: list, degree: int) -> list[list[float]]:
+    """coefficients[j][k] of u^k in entry j: each entry's series cut to `degree` (economization)."""
     from numpy.polynomial import Polynomial
 
     rows = []
     for one in series:
-        power = one.truncate(degree + 1).convert(kind=Polynomial, domain=[0, 1], window=[0, 1])
+        power = one.truncate(degree + 1).convert(kind=Polynomial, domain=[-1, 1], window=[-1, 1])
         rows.append([float(v) for v in np.pad(power.coef, (0, degree + 1 - power.coef.size))])
     return rows
 
@@ -567,8 +619,9 @@ def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> 
     e1, a, e2 = shape
     return (
         f"""# The near pieces again, as tables for CPUs with AVX-512 or AVX2 (invact._lookup says how the
-# kernel reads them): each branch's g from 0 to its split in equal intervals; on interval j of n the
-# near piece is a polynomial in u = n*g/g_max - j in [0, 1] (its Chebyshev series, cut).
+# kernel reads them): each branch's g from 0 to its split in n + 1 entries; entry j holds the near
+# piece on k g in [j - 1/2, j + 1/2] (k g = n at the split) as a polynomial in u = k g - j (its
+# Chebyshev series, cut).
 NEAR_TABLE_G = ({e1!r}, {a!r}, {e2!r})  # g = sqrt(max(e1, y + a) + e2)
 NEAR_TABLE_G_MAX = ({g_max["left"]!r}, {g_max["right"]!r})  # g at the left and the right split
 {"".join(tables.values())}""",
@@ -583,31 +636,34 @@ def _round_up(bound: float) -> str:
 
 
 def _isa_table(isa: str, pieces: dict, g_max: dict[str, float]) -> str | None:
-    """One instruction set's table, printed (NEAR_TABLE_<ISA>, its intervals and bound): the split of
-    its lookup's entries between the branches with the lowest degree (the smaller bound among equals)."""
-    entries, most = NEAR_TABLE_LOOKUPS[isa], NEAR_TABLE_MAX_DEGREE[isa]
+    """One instruction set's table, printed (NEAR_TABLE_<ISA>, its entries, scales and bound): the split
+    of its lookup's entries between the branches with the lowest degree (the smaller bound among
+    equals)."""
+    entries, most, bound = NEAR_TABLE_LOOKUPS[isa], NEAR_TABLE_MAX_DEGREE[isa], NEAR_TABLE_BOUND[isa]
     best = None
-    for n_left in range(1, entries):
-        intervals = {"left": n_left, "right": entries - n_left}
-        series = {name: _interval_series(pieces[name], g_max[name], intervals[name]) for name in pieces}
-        degrees = [_lowest_degree(series[name], most) for name in pieces]
+    for n_left in range(2, entries - 1):
+        split = {"left": n_left, "right": entries - n_left}
+        series = {name: _entry_series(pieces[name], g_max[name], split[name]) for name in pieces}
+        degrees = [_lowest_degree(series[name], most, bound) for name in pieces]
         if None in degrees:
             continue
         key = (max(degrees), max(_cut_bound(series[name], max(degrees)) for name in pieces))
         if best is None or key < best[0]:
-            best = (key, intervals, series)
+            best = (key, split, series)
     if best is None:
         return None
-    (degree, bound), intervals, series = best
-    fitted = {name: _interval_polynomials(series[name], degree) for name in pieces}
-    columns = fitted["right"] + fitted["left"]  # the right branch's intervals first
+    (degree, cut), split, series = best
+    fitted = {name: _entry_polynomials(series[name], degree) for name in pieces}
+    columns = fitted["right"] + fitted["left"]  # the right branch's entries first
     rows = "\n".join(f"    ({', '.join(repr(col[k]) for col in columns)}),"
                      for k in range(degree + 1))  # fmt: skip
+    scales = tuple(_entry_scale(g_max[name], split[name]) for name in ("left", "right"))
     name = f"NEAR_TABLE_{isa.upper()}"
     return f"""# {isa}: one {entries}-entry lookup per coefficient; degree {degree}.
-{name}_INTERVALS = ({intervals["left"]}, {intervals["right"]})  # the left branch's, the right's
-{name}_BOUND = {_round_up(bound)}  # |table - near piece|, at most (float64; the cut terms' sum)
-# {name}[k][j]: the coefficient of u^k on interval j, the right branch's for j < {intervals["right"]}.
+{name}_ENTRIES = ({split["left"]}, {split["right"]})  # the left branch's, the right's
+{name}_SCALE = ({scales[0]!r}, {scales[1]!r})  # k, fp32: k g = entries - 1 at the split
+{name}_BOUND = {_round_up(cut)}  # |table - near piece|, at most (float64; the cut terms' sum)
+# {name}[k][e]: the coefficient of u^k in entry e, the right branch's for e < {split["right"]}.
 {name} = (
 {rows}
 )
@@ -676,14 +732,11 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
     ) + _NUMBA_SPANS  # fmt: skip
     if not has_split.get("tables"):
         return kernel
-    far = [_NUMBA_TABLE_FAR_PASS.format(name=name, notes=notes) for name, notes in _TABLE_NOTES.items()]
-    tails = [_NUMBA_TABLE_TAIL_PASS.format(name=name, notes=notes) for name, notes in _TABLE_NOTES.items()]
-    passes = {"far_passes": "\n".join(far), "tail_passes": "\n".join(tails)}
-    tables = [_NUMBA_TABLE.format(isa=isa, ISA=isa.upper(), needs=_TABLE_NEEDS[isa], **passes)
+    tables = [_NUMBA_TABLE.format(isa=isa, ISA=isa.upper(), needs=_TABLE_NEEDS[isa])
               for isa in has_split["tables"]]  # fmt: skip
     entry = '    "{0}": (table_kernel_{0}, table_kernel_bits_{0}),'
     kernels = "\n".join(entry.format(isa) for isa in has_split["tables"])
-    return kernel + _NUMBA_LANE_BITS + "".join(tables) + _NUMBA_TABLE_CHOICE.format(kernels=kernels)
+    return kernel + _NUMBA_FAR_LISTS + "".join(tables) + _NUMBA_TABLE_CHOICE.format(kernels=kernels)
 
 
 # What the numba view calls: sources of every file holding one.

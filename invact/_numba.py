@@ -8,12 +8,14 @@ backward).
 The backward reads y, the packed bits (or y's own lowest bit in precision-bit mode; none for a
 monotone activation) and dy, and writes dx in fp32 (the kernel is printed by codegen:
 `backward_kernel_bits` and `backward_kernel` in each numba view). For the floor family's forms it
-evaluates every element's near piece and each branch's far piece (its exp or log) only in the
-16-element blocks that need it. The near pieces: where numba compiles for AVX-512 or AVX2, by table
-lookup in registers (invact._lookup: on AVX-512 32 intervals for both branches, a polynomial of degree
-5 or less on each; on AVX2 8 intervals, degree 9 or less), reading each block's two bytes of bits as
-they are; elsewhere one polynomial in g whose coefficients each element selects by its bit, each
-thread first unpacking its span's bits into a buffer in cache. Half-precision
+evaluates every element's near piece, and each branch's far piece (its exp or log) only on the
+elements past its split. Where numba compiles for AVX-512 or AVX2 the near pieces come by table
+lookup in registers (invact._lookup: on AVX-512 32 entries for both branches and 16 lanes, a
+polynomial of degree 5 or less in each; on AVX2 8 entries and 8 lanes, degree 7 or less), each block
+reading its byte(s) of bits as they are and noting its far elements, whose pieces then run on a list;
+elsewhere one polynomial in g whose coefficients each element selects by its bit, each thread first
+unpacking its span's bits into a buffer in cache and running a branch's far piece on every 16-element
+block that has an element past its split. Half-precision
 tensors are converted to fp32 around it (numba has no bf16). Every kernel is compiled with
 cache=True: the first call on a machine compiles them (about 5 s on a 2-core machine), later
 processes load them from numba's disk cache; benchmarks/speed.py reports both first calls.

@@ -75,15 +75,15 @@ FLOAT64_ROUNDING = 1e-13
 
 
 def _table_in_float64(cpu, isa: str, y: np.ndarray, left: bool) -> np.ndarray:
-    """NEAR_TABLE_<ISA> evaluated as invact._lookup.near_table does, in float64."""
+    """NEAR_TABLE_<ISA> evaluated as invact._lookup.near_table does, in float64: entry j = k g rounded,
+    u = k g - j."""
     e1, a, e2 = cpu.NEAR_TABLE_G
     g = np.sqrt(np.maximum(y + a, e1) + e2)
-    g_max = cpu.NEAR_TABLE_G_MAX[0 if left else 1]
-    n_left, n_right = getattr(cpu, f"NEAR_TABLE_{isa.upper()}_INTERVALS")
-    intervals = n_left if left else n_right
-    scaled = g * (intervals / g_max)
-    j = np.minimum(np.trunc(scaled).astype(np.int64), intervals - 1)
-    u = scaled - j
+    k = getattr(cpu, f"NEAR_TABLE_{isa.upper()}_SCALE")[0 if left else 1]
+    n_left, n_right = getattr(cpu, f"NEAR_TABLE_{isa.upper()}_ENTRIES")
+    j = np.rint(k * g).astype(np.int64)
+    assert j.max() < (n_left if left else n_right)  # up to the split, no entry past the branch's last
+    u = k * g - j
     table = np.array(getattr(cpu, f"NEAR_TABLE_{isa.upper()}"))[:, j + (n_right if left else 0)]
     return np.polynomial.polynomial.polyval(u, table, tensor=False)
 

@@ -1,10 +1,12 @@
 """The numba backward kernels (invact/_generated/<act>_cpu.py), every one a file has: the polynomial in g
-(_backward_span) and the near tables (_table_span_<isa>), each where the CPU runs it. Their block
-skipping: each element gets its own branch's piece whichever block and span it lies in, whether the
-far pieces run in its block or not, and in the partial block at the end. Their packed-bits entry:
+(_backward_span) and the near tables (_table_span_<isa>), each where the CPU runs it. Their far
+pieces: each element gets its own branch's piece whichever block and span it lies in, whether a far
+piece runs for it or not (in its block for the polynomial, on a list of noted elements for the
+tables, also when that list fills), and in the partial block at the end. Their packed-bits entry:
 the same dx as with the flags unpacked, at every size and span boundary."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -77,6 +79,33 @@ def test_every_element_gets_its_piece(name, n, variant):
     assert torch.equal(dx.isnan(), want.isnan())
     finite = ~want.isnan()
     assert (dx[finite] - want[finite]).abs().max() <= FP32_TWO_EVALUATIONS * dy.abs().max()
+
+
+# The table kernels list the blocks with far elements and run their far pieces when the list holds
+# _NOTED blocks: wide inputs put far elements in most blocks, so a span fills it many times.
+WIDE_X = 4.0  # x ~ N(0, 4^2): a quarter of the elements past the left split or the right one
+TABLES = [(name, variant) for name, variant in _with_variants(SKIPPING) if variant != "polynomial"]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["flags", "packed bits"])
+@pytest.mark.parametrize(("name", "variant"), TABLES)
+def test_far_lists_that_fill_run_every_far_piece(name, variant, packed):
+    kernels = _kernels(name, variant)
+    module = ACTIVATIONS[name].cpu
+    act = ACTIVATIONS[name]
+    n = module._SPAN + 13
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2)) * WIDE_X
+    y, dy = act.torch_forward(x), torch.randn(n, generator=torch.Generator().manual_seed(3))
+    left = _bits.is_left(x, act.threshold)
+    far = torch.where(left, y >= module.LEFT_SPLIT, y >= module.RIGHT_SPLIT)
+    lanes = _lookup.LANES[variant]
+    blocks_with_far = far[: n - n % lanes].view(-1, lanes).any(dim=1).sum().item()
+    assert blocks_with_far > 4 * module._NOTED  # the list fills, and runs, several times
+    dx = torch.empty(n)
+    bits = _bits.pack(left).numpy() if packed else left.to(torch.uint8).numpy()
+    kernels[packed](y.numpy(), bits, dy.numpy(), dx.numpy())
+    want = _portable.backward(act, y, _bits.pack(left), dy, False)
+    assert (dx - want).abs().max() <= FP32_TWO_EVALUATIONS * dy.abs().max()
 
 
 TWO_BRANCH = sorted(n for n, a in ACTIVATIONS.items() if not a.monotone)
@@ -168,8 +197,10 @@ def test_instruction_set_follows_the_cpu_numba_compiles_for(monkeypatch, cpu_nam
         _lookup.instruction_set.cache_clear()
 
 
-@pytest.mark.parametrize(("intervals", "entries"), [((16, 15), 31), ((4, 5), 9)])
-def test_near_table_refuses_intervals_that_do_not_fill_a_lookup(intervals, entries):
-    row = (0.0,) * entries
-    with pytest.raises(ValueError, match=f"fill {entries} entries"):
-        _lookup.near_table((0.0, 0.0, 0.0), (1.0, 1.0), (row,), (0.0, 0.0), intervals)
+# (left, right) entries: 31 and 9 fill no lookup; (1, 7) fills AVX2's but leaves the left branch one
+# entry, where it needs two (its split's g at k g = entries - 1 >= 1).
+@pytest.mark.parametrize("entries", [(16, 15), (4, 5), (1, 7)])
+def test_near_table_refuses_entries_that_do_not_fill_a_lookup(entries):
+    row = (0.0,) * sum(entries)
+    with pytest.raises(ValueError, match=re.escape(f"entries {entries} fill none of the lookups")):
+        _lookup.near_table((0.0, 0.0, 0.0), (1.0, 1.0), (row,), (0.0, 0.0), entries)
