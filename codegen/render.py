@@ -293,7 +293,7 @@ def backward_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
 '''
 
 # Where codegen printed NEAR_TABLE_<ISA>: the kernels that read it, for each such instruction set. The
-# far pieces run on lists of the elements whose notes ask for them (_far_<branch>, shared by the
+# far pieces run on lists of the elements whose notes ask for them (_far_pieces, shared by the
 # instruction sets).
 _NUMBA_FAR_LISTS = '''
 
@@ -525,7 +525,7 @@ NEAR_TABLE_MAX_DEGREE = {"avx512": 8, "avx2": 12}
 # within 1e-6 of its float64 value (tests/codegen/test_generated_precision.py; measured worst 1.7e-7),
 # and the table's error adds to that. 2^-26 = 1.5e-8, a quarter of fp32's half ulp at 1 (q's size on
 # the right branch), leaves it far below: AVX-512's 32 entries reach it at degree 5 or less. AVX2's 8
-# entries pay two instructions per coefficient per 16 elements and need degree 9 for it (gelu), where
+# entries pay two instructions per coefficient per block of 8 and need degree 9 for it (gelu), where
 # 2^-22 = 2.4e-7 (with the 1.7e-7 still under half of the 1e-6) needs 7: measured on Zen 4 in cache,
 # each degree costs the AVX2 kernel 0.045 ns per element of about 0.7.
 NEAR_TABLE_BOUND = {"avx512": 2.0**-26, "avx2": 2.0**-22}
@@ -563,10 +563,10 @@ def _entry_series(piece, g_max: float, entries: int) -> list:
     from numpy.polynomial import Chebyshev
 
     k = _entry_scale(g_max, entries)
+    cosines = np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES)
     series = []
     for j in range(entries):
         lo, hi = max(-0.5, -j), min(0.5, g_max * k - j + _PAST_THE_SPLIT)
-        cosines = np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES)
         nodes = lo + (hi - lo) * (cosines + 1) / 2
         series.append(Chebyshev.fit(nodes, piece((j + nodes) / k), _CHEBYSHEV_NODES - 1, domain=[lo, hi]))
     return series
