@@ -523,12 +523,12 @@ NEAR_TABLE_LOOKUPS = {"avx512": 32, "avx2": 8}
 NEAR_TABLE_MAX_DEGREE = {"avx512": 8, "avx2": 12}
 # |table - near piece| allowed, per instruction set. The kernels' fp32 evaluation of a near piece stays
 # within 1e-6 of its float64 value (tests/codegen/test_generated_precision.py; measured worst 1.7e-7),
-# and the table's error adds to that. 2^-26 = 1.5e-8, a quarter of fp32's half ulp at 1 (q's size on
-# the right branch), leaves it far below: AVX-512's 32 entries reach it at degree 5 or less. AVX2's 8
-# entries pay two instructions per coefficient per block of 8 and need degree 9 for it (gelu), where
-# 2^-22 = 2.4e-7 (with the 1.7e-7 still under half of the 1e-6) needs 7: measured on Zen 4 in cache,
-# each degree costs the AVX2 kernel 0.045 ns per element of about 0.7.
-NEAR_TABLE_BOUND = {"avx512": 2.0**-26, "avx2": 2.0**-22}
+# and the table's error adds to that: 2^-22 = 2.4e-7 keeps the sum (4.1e-7) under half of the 1e-6.
+# Each degree less saves a lookup and a multiply-add per block. At 2^-26 (a quarter of fp32's half ulp
+# at 1) AVX-512's 32 entries needed degree 5 (gelu) where 2^-22 needs 4: the AVX-512 near blocks
+# measured 0.33 -> 0.29 ns per element on Zen 4 in cache; AVX2's 8 entries need degree 9 at 2^-26 and
+# 7 at 2^-22, and each degree cost its kernel 0.045 ns per element of about 0.7.
+NEAR_TABLE_BOUND = {"avx512": 2.0**-22, "avx2": 2.0**-22}
 _CHEBYSHEV_NODES = 64  # per entry: more than any near piece's degree + 1, so the fit is exact
 # How far past the split the last entry's polynomial holds, in u: fp32 rounding of g moves k g by
 # about 1e-7 of n there (n <= 31), so 2^-16 = 1.5e-5 leaves room.
