@@ -6,7 +6,7 @@ family's forms), codegen also prints them as tables: each branch's g from 0 to i
 n + 1 entries around the points where k g is a whole number j (k g = n at the split), and in each the
 piece is a low-degree polynomial in u = k g - j in [-1/2, 1/2] (NEAR_TABLE_<ISA> in the generated
 file, with its bound). One lookup instruction fetches a coefficient for every lane: on AVX-512 a
-32-entry vpermi2ps for 16 lanes (degree 5 or less for the committed fits), on AVX2 an 8-entry vpermps
+32-entry vpermi2ps for 16 lanes (degree 4 or less for the committed fits), on AVX2 an 8-entry vpermps
 for 8 lanes (both branches' entries in 8, so a higher degree). k g + 1.5 * 2^23 holds the rounded k g
 in its lowest bits, which is all a lookup reads of its index: a block costs a square root, a
 multiply-add for the index, one for u, and a lookup and a multiply-add per coefficient, where the

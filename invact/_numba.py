@@ -11,7 +11,7 @@ monotone activation) and dy, and writes dx in fp32 (the kernel is printed by cod
 evaluates every element's near piece, and each branch's far piece (its exp or log) only on the
 elements past its split. Where numba compiles for AVX-512 or AVX2 the near pieces come by table
 lookup in registers (invact._lookup: on AVX-512 32 entries for both branches and 16 lanes, a
-polynomial of degree 5 or less in each; on AVX2 8 entries and 8 lanes, degree 7 or less), each block
+polynomial of degree 4 or less in each; on AVX2 8 entries and 8 lanes, degree 7 or less), each block
 reading its byte(s) of bits as they are and noting its far elements, whose pieces then run on a list;
 elsewhere one polynomial in g whose coefficients each element selects by its bit, each thread first
 unpacking its span's bits into a buffer in cache and running a branch's far piece on every 16-element
