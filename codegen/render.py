@@ -515,20 +515,20 @@ def _shared_near(left: sympy.Expr, right: sympy.Expr, printer: ScalarPrinter) ->
 # The near tables (invact._lookup): per instruction set, the entries one lookup instruction reads (the
 # two branches' entries together; invact._lookup.LOOKUPS, checked equal by tests/codegen) and the
 # highest degree worth a table. The entries are split between the branches where the degree that
-# meets the instruction set's NEAR_TABLE_BOUND on both is lowest.
+# meets NEAR_TABLE_BOUND on both is lowest.
 NEAR_TABLE_LOOKUPS = {"avx512": 32, "avx2": 8}
 # A lookup and a multiply-add per coefficient, where the polynomial in g (degree 14 for the floor fits)
 # costs a blend and a multiply-add: an 8-entry AVX2 table pays beyond degree 12, a 32-entry one
 # (cheap at degree 5, and its two-register lookup the dearer instruction) beyond 8.
 NEAR_TABLE_MAX_DEGREE = {"avx512": 8, "avx2": 12}
-# |table - near piece| allowed, per instruction set. The kernels' fp32 evaluation of a near piece stays
+# |table - near piece| allowed. The kernels' fp32 evaluation of a near piece stays
 # within 1e-6 of its float64 value (tests/codegen/test_generated_precision.py; measured worst 1.7e-7),
 # and the table's error adds to that: 2^-22 = 2.4e-7 keeps the sum (4.1e-7) under half of the 1e-6.
 # Each degree less saves a lookup and a multiply-add per block. At 2^-26 (a quarter of fp32's half ulp
 # at 1) AVX-512's 32 entries needed degree 5 (gelu) where 2^-22 needs 4: the AVX-512 near blocks
 # measured 0.33 -> 0.29 ns per element on Zen 4 in cache; AVX2's 8 entries need degree 9 at 2^-26 and
 # 7 at 2^-22, and each degree cost its kernel 0.045 ns per element of about 0.7.
-NEAR_TABLE_BOUND = {"avx512": 2.0**-22, "avx2": 2.0**-22}
+NEAR_TABLE_BOUND = 2.0**-22
 _CHEBYSHEV_NODES = 64  # per entry: more than any near piece's degree + 1, so the fit is exact
 # How far past the split the last entry's polynomial holds, in u: fp32 rounding of g moves k g by
 # about 1e-7 of n there (n <= 31), so 2^-16 = 1.5e-5 leaves room.
@@ -623,7 +623,6 @@ def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> 
 # piece on k g in [j - 1/2, j + 1/2] (k g = n at the split) as a polynomial in u = k g - j (its
 # Chebyshev series, cut).
 NEAR_TABLE_G = ({e1!r}, {a!r}, {e2!r})  # g = sqrt(max(e1, y + a) + e2)
-NEAR_TABLE_G_MAX = ({g_max["left"]!r}, {g_max["right"]!r})  # g at the left and the right split
 {"".join(tables.values())}""",
         list(tables),
     )
@@ -639,12 +638,12 @@ def _isa_table(isa: str, pieces: dict, g_max: dict[str, float]) -> str | None:
     """One instruction set's table, printed (NEAR_TABLE_<ISA>, its entries, scales and bound): the split
     of its lookup's entries between the branches with the lowest degree (the smaller bound among
     equals)."""
-    entries, most, bound = NEAR_TABLE_LOOKUPS[isa], NEAR_TABLE_MAX_DEGREE[isa], NEAR_TABLE_BOUND[isa]
+    entries, most = NEAR_TABLE_LOOKUPS[isa], NEAR_TABLE_MAX_DEGREE[isa]
     best = None
     for n_left in range(2, entries - 1):
         split = {"left": n_left, "right": entries - n_left}
         series = {name: _entry_series(pieces[name], g_max[name], split[name]) for name in pieces}
-        degrees = [_lowest_degree(series[name], most, bound) for name in pieces]
+        degrees = [_lowest_degree(series[name], most, NEAR_TABLE_BOUND) for name in pieces]
         if None in degrees:
             continue
         key = (max(degrees), max(_cut_bound(series[name], max(degrees)) for name in pieces))

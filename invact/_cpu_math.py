@@ -120,8 +120,10 @@ _EXPM1_P = tuple(
     .coef[::-1]
 )
 _EXPM1_LN2_HI, _EXPM1_LN2_LO = F(6.9313812256e-01), F(9.0580006145e-06)
-# 1.5 * 2^23: x * log2(e) + this rounds to the nearest whole k, left in the sum's low mantissa bits.
-_ROUNDING = F(12582912.0)
+# 1.5 * 2^23: fp32 values from 2^23 to 2^24 are the integers, so x + ROUNDING (|x| < 2^22) rounds x to
+# the nearest integer, whose value sits in the sum's low mantissa bits (expm1_32's k; the near tables'
+# entry, invact._lookup, where a lookup reads its index from those bits).
+ROUNDING = F(12582912.0)
 _HALF_BITS = np.int32(126 << 23)  # the bits of 2^-1: 2^(k-1) is these plus k << 23
 
 
@@ -131,8 +133,8 @@ def expm1_32(x):
     Saturates like exp32: -1 below -30 (e^-30 is under half an ulp of 1), 3.4e38 above 88.72.
     Branch-free, so it vectorizes."""
     x = min(max(F(x), F(-30.0)), F(88.72283))
-    rounded = x * _LOG2E + _ROUNDING
-    k = rounded - _ROUNDING  # exact: both lie in [2^23, 2^24)
+    rounded = x * _LOG2E + ROUNDING
+    k = rounded - ROUNDING  # exact: both lie in [2^23, 2^24)
     r = x - k * _EXPM1_LN2_HI
     r = r - k * _EXPM1_LN2_LO
     p = _EXPM1_P[0]

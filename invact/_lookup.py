@@ -32,15 +32,14 @@ from numba.core import cgutils, config
 from numba.core.errors import TypingError
 from numba.core.extending import intrinsic
 
+from invact._cpu_math import ROUNDING
+
 # Table entries one lookup instruction reads, by the instruction set whose lookup it is, and the fp32
 # lanes of the vector it fills: a block (one 512-bit register on AVX-512, one 256-bit on AVX2; 16
 # lanes on AVX2 took two registers of each value and ran 8% slower, measured on Zen 4: LLVM spilled
 # the branch masks and y to the stack).
 LOOKUPS = {"avx512": 32, "avx2": 8}
 LANES = {"avx512": 16, "avx2": 8}
-# 1.5 * 2^23: fp32 values from 2^23 to 2^24 are the integers, so x + ROUNDING (|x| < 2^22) rounds x to
-# the nearest integer, whose value sits in the sum's low mantissa bits, where a lookup reads its index.
-ROUNDING = 12582912.0
 
 _F32 = ir.FloatType()
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
