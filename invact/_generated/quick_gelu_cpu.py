@@ -213,6 +213,7 @@ def backward_kernel_bits(y, bits, dy, dx):  # pragma: no cover - runs compiled
 # blocks (with their elements, 17 KB) stay in cache; N(0, 1) inputs fill the list about once per
 # 2^16-element span.
 _NOTED = 128
+_NOTED_U = np.uint64(_NOTED)  # compared with an unsigned count: see _table_span_<isa>
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
@@ -260,22 +261,24 @@ def _table_span_avx512(y, flags, dy, dx, packed):  # pragma: no cover - runs com
     n = y.size
     starts, notes = np.empty(_NOTED, dtype=np.int64), np.empty(_NOTED, dtype=np.int64)
     at, values = np.empty(_NOTED * _BLOCK, dtype=np.int64), np.empty(_NOTED * _BLOCK, dtype=np.float32)
-    count = 0
+    # count unsigned: with an int64 index numba wraps negative indices at each store (three more
+    # instructions a block in the assembly), and LLVM then kept the loop's index on the stack.
+    count = np.uint64(0)
     full = n - n % _LANES_AVX512
     for lo in range(0, full, _LANES_AVX512):
         m = _near_block_avx512(y, dy, dx, lo, _LANES_AVX512, flags) if packed else _near_block_avx512(
             y, dy, dx, lo, _LANES_AVX512, _lookup.branch_word(flags, lo, _LANES_AVX512, False))
         starts[count], notes[count] = lo, m
-        count += m != 0
-        if _lookup.rarely(count == _NOTED):
-            _far_pieces(y, dy, dx, starts, notes, count, _LANES_AVX512, at, values)
-            count = 0
+        count += np.uint64(m != 0)
+        if _lookup.rarely(count == _NOTED_U):
+            _far_pieces(y, dy, dx, starts, notes, np.int64(count), _LANES_AVX512, at, values)
+            count = np.uint64(0)
     if full < n:  # the partial block
         last = n - full
         m = _near_block_avx512(y, dy, dx, full, last, _lookup.branch_word(flags, full, last, packed))
         starts[count], notes[count] = full, m
-        count += m != 0
-    _far_pieces(y, dy, dx, starts, notes, count, _LANES_AVX512, at, values)
+        count += np.uint64(m != 0)
+    _far_pieces(y, dy, dx, starts, notes, np.int64(count), _LANES_AVX512, at, values)
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
@@ -330,22 +333,24 @@ def _table_span_avx2(y, flags, dy, dx, packed):  # pragma: no cover - runs compi
     n = y.size
     starts, notes = np.empty(_NOTED, dtype=np.int64), np.empty(_NOTED, dtype=np.int64)
     at, values = np.empty(_NOTED * _BLOCK, dtype=np.int64), np.empty(_NOTED * _BLOCK, dtype=np.float32)
-    count = 0
+    # count unsigned: with an int64 index numba wraps negative indices at each store (three more
+    # instructions a block in the assembly), and LLVM then kept the loop's index on the stack.
+    count = np.uint64(0)
     full = n - n % _LANES_AVX2
     for lo in range(0, full, _LANES_AVX2):
         m = _near_block_avx2(y, dy, dx, lo, _LANES_AVX2, flags) if packed else _near_block_avx2(
             y, dy, dx, lo, _LANES_AVX2, _lookup.branch_word(flags, lo, _LANES_AVX2, False))
         starts[count], notes[count] = lo, m
-        count += m != 0
-        if _lookup.rarely(count == _NOTED):
-            _far_pieces(y, dy, dx, starts, notes, count, _LANES_AVX2, at, values)
-            count = 0
+        count += np.uint64(m != 0)
+        if _lookup.rarely(count == _NOTED_U):
+            _far_pieces(y, dy, dx, starts, notes, np.int64(count), _LANES_AVX2, at, values)
+            count = np.uint64(0)
     if full < n:  # the partial block
         last = n - full
         m = _near_block_avx2(y, dy, dx, full, last, _lookup.branch_word(flags, full, last, packed))
         starts[count], notes[count] = full, m
-        count += m != 0
-    _far_pieces(y, dy, dx, starts, notes, count, _LANES_AVX2, at, values)
+        count += np.uint64(m != 0)
+    _far_pieces(y, dy, dx, starts, notes, np.int64(count), _LANES_AVX2, at, values)
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
