@@ -216,13 +216,14 @@ _NOTED = 128
 _NOTED_U = np.uint64(_NOTED)  # compared with an unsigned count: see _table_span_<isa>
 
 
-@numba.njit(inline="always", fastmath=_FASTMATH)
+@numba.njit(fastmath=_FASTMATH, cache=True)
 def _far_pieces(y, dy, dx, starts, notes, count, lanes, at, values):  # pragma: no cover - runs compiled
     """The far pieces of the first `count` listed blocks (block starts[b] of `lanes` elements, its notes
     notes[b]: the left branch's in the low `lanes` bits, the right's above): dx[i] = dy[i] *
     q_<branch>_far(y[i]) on each noted element (NaN where y[i] is +-inf or NaN). Each branch's
     elements are listed in `at`, their y gathered into `values` (both with room for lanes * count),
-    where the far piece runs vectorized, then scattered."""
+    where the far piece runs vectorized, then scattered. A function of its own, called (not inlined)
+    from a span's two call sites: inlined, its vectorized far pieces were compiled twice per span."""
     for branch in range(2):
         listed = 0
         for b in range(count):
