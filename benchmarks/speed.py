@@ -247,7 +247,6 @@ def first_call_seconds(device: str) -> dict:
         f"{'torch.cuda.synchronize()' if device == 'cuda' else ''}\n"
         "print(time.perf_counter() - t)\n"
     )
-    seconds = {}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
         runs = []
@@ -255,9 +254,7 @@ def first_call_seconds(device: str) -> dict:
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                  timeout=600, env=env)  # fmt: skip
             runs.append(float(out.stdout.strip().splitlines()[-1]))
-    seconds["cold"], seconds["warm_runs"] = runs[0], runs[1:]
-    seconds["warm"] = statistics.median(runs[1:])
-    return seconds
+    return {"cold": runs[0], "warm": statistics.median(runs[1:]), "warm_runs": runs[1:]}
 
 
 # Rounds of the CPU backward table (at least): each takes a few ms, while a shared VM's memory speed
