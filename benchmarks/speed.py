@@ -7,12 +7,12 @@ Llama-3.1-8B-shaped decoder (SiLU), each as torch eager, InvAct bits, InvAct pre
 compile, then the same order rotated by one, ...): each variant's median of --repeats is reported, and
 its ratio to torch is the median of the per-round ratios (each round runs every variant once, back to
 back, so a slow spell of a shared machine hits both sides of a ratio), with their quartiles. On CPU it
-also times the backward kernel alone against a torch pass moving the same bytes, and it reports the
-first call in a fresh process with cold and warm kernel caches. CUDA timings use CUDA events. Sizes:
---preset paper is the paper's (for a GPU), cpu is scaled down for a 2-core machine, --small is a
-smoke run. On CUDA it also reports the bandwidth of the bare Triton kernels, and per row the time
-the GPU itself is busy per step (profiler), torch against InvAct bits, which leaves out time the GPU
-waits for the host. Writes
+also times the backward kernel alone against a torch pass moving the same bytes (back to back, and
+with the caches emptied before each call: from memory), and it reports the first call in a fresh
+process with cold and warm kernel caches. CUDA timings use CUDA events. Sizes: --preset paper is the
+paper's (for a GPU), cpu is scaled down for a 2-core machine, --small is a smoke run. On CUDA it also
+reports the bandwidth of the bare Triton kernels, and per row the time the GPU itself is busy per
+step (profiler), torch against InvAct bits, which leaves out time the GPU waits for the host. Writes
 benchmarks/results/speed_<device>.json and prints a markdown table.
 """
 
@@ -285,16 +285,43 @@ def cpu_kernel() -> str:
     return f"near tables ({names[isa]})" if isa else "polynomial in g"
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of CPU 0, in bytes, as Linux's sysfs gives it; 0 where it says nothing."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes, default=0)
+
+
+# Bytes read between timed calls "from memory", in last-level caches (at least EVICT_MIN_BYTES where
+# sysfs names none): on a 2-core EPYC (32 MB L3) reading 4x the L3 before each call brought the
+# same-bytes pass on 2^22 elements (48 MB) to the speed it has on 2^24 (192 MB, which no cache holds),
+# 31-34 against 36-40 GB/s, where back to back it ran at 60-95 GB/s, part of it from the L3.
+EVICT_CACHES = 4
+EVICT_MIN_BYTES = 2**27
+
+
 def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
     """Per activation of the bare rows: InvAct's CPU backward (bits mode, fp32, `elements`: allocating
     dx, the numba kernel) and the kernel alone (dx given), against a torch pass moving the same bytes
     but the bits: torch.mul(y, dy, out=dx), which reads two fp32 tensors and writes one, as the kernel
     does (plus n/8 bytes of bits). Interleaved; ratios are medians of per-round ratios. Also torch's
     own backward op (aten's <act>_backward, or autograd's for a composition), which allocates its dx as
-    ours does."""
+    ours does.
+
+    Twice: back to back, where whatever part of the tensors the last-level cache holds is read from it
+    (2^22 fp32 elements are 48 MB for the three, near a server's L3), and "from memory", the kernel and
+    the pass each timed after a read of a buffer of EVICT_CACHES times the last-level cache, so that
+    both read their inputs from DRAM, as a training step's backward reads activations saved long
+    before. The first shows where the kernel's arithmetic limits it; the second its distance from the
+    memory's bandwidth."""
     from invact import _numba
     from invact.activations import ACTIVATIONS
 
+    evict = torch.ones(max(EVICT_CACHES * last_level_cache_bytes(), EVICT_MIN_BYTES) // 4)
     rows = []
     for name, make in TORCH_ACTIVATIONS.items():
         act = ACTIVATIONS[name]
@@ -326,6 +353,17 @@ def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
         row["ratio_to_same_bytes"] = float(np.median(ms["backward_ms"] / ms["same_bytes_ms"]))
         row["kernel_ratio_to_same_bytes"] = float(np.median(ms["kernel_ms"] / ms["same_bytes_ms"]))
         row["same_bytes_gbps"] = 3 * 4 * elements / row["same_bytes_ms"] / 1e6
+        cold = {"kernel_from_memory_ms": [], "same_bytes_from_memory_ms": []}
+        for _ in range(repeats):
+            for k in cold:
+                evict.sum()
+                cold[k].append(clock(steps[k.replace("_from_memory", "")]))
+        row.update({k: median_ms(v) for k, v in cold.items()})
+        ms = {k: np.array([t() for t in v]) for k, v in cold.items()}
+        ratios = ms["kernel_from_memory_ms"] / ms["same_bytes_from_memory_ms"]
+        row["kernel_ratio_from_memory"] = float(np.median(ratios))
+        row["same_bytes_from_memory_gbps"] = 3 * 4 * elements / row["same_bytes_from_memory_ms"] / 1e6
+        row["evict_bytes"] = evict.numel() * 4
         rows.append(row)
     return rows
 
@@ -378,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "numba_target": numba_target() if args.device == "cpu" else None,
         "cpu_kernel": cpu_kernel() if args.device == "cpu" else None,
         "allocator": allocator() if args.device == "cpu" else None,
+        "last_level_cache_bytes": last_level_cache_bytes() if args.device == "cpu" else None,
         "dtype": args.dtype,
         "settings": {
             "preset": "small" if args.small else args.preset,
@@ -443,6 +482,14 @@ def markdown(result: dict) -> str:
                          f"({r['same_bytes_gbps']:.0f} GB/s) | {r['kernel_ms']:.2f} | "
                          f"{r['kernel_ratio_to_same_bytes']:.2f}x | {r['backward_ms']:.2f} | "
                          f"{r['ratio_to_same_bytes']:.2f}x | {r['torch_backward_ms']:.2f} |")  # fmt: skip
+        evicted, cache = result["cpu_backward"][0]["evict_bytes"], result["last_level_cache_bytes"]
+        read = f"after reading {evicted / 2**20:.0f} MB; last-level cache {cache / 2**20:.0f} MB"
+        lines += ["", f"From memory (each call timed {read}):", ""]
+        lines += ["| CPU backward | same bytes (ms) | kernel alone (ms) | ratio |", "|---|---|---|---|"]
+        for r in result["cpu_backward"]:
+            pass_ms = f"{r['same_bytes_from_memory_ms']:.2f} ({r['same_bytes_from_memory_gbps']:.0f} GB/s)"
+            lines.append(f"| {r['activation']} | {pass_ms} | {r['kernel_from_memory_ms']:.2f} | "
+                         f"{r['kernel_ratio_from_memory']:.2f}x |")  # fmt: skip
     if "kernel_bandwidth" in result:
         bw = result["kernel_bandwidth"]
         rates = f"forward {bw['forward_gbps']:.0f} GB/s, backward {bw['backward_gbps']:.0f} GB/s"

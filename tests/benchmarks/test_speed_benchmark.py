@@ -31,6 +31,11 @@ def test_small_cpu_run(tmp_path):
     bandwidth = {row["activation"]: row for row in data["cpu_backward"]}
     assert "gelu" in bandwidth and all(row["same_bytes_ms"] > 0 for row in bandwidth.values())
     assert all(row["kernel_ms"] > 0 and row["kernel_ratio_to_same_bytes"] > 0 for row in bandwidth.values())
+    assert all(row["kernel_from_memory_ms"] > 0 and row["kernel_ratio_from_memory"] > 0
+               for row in bandwidth.values())  # fmt: skip
+    # the read between calls "from memory" covers the last-level cache several times over (sysfs's size)
+    assert all(row["evict_bytes"] >= 2 * data["last_level_cache_bytes"] for row in bandwidth.values())
+    assert "From memory (each call timed after reading" in proc.stdout
 
 
 def test_bad_arguments():
