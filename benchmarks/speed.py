@@ -285,11 +285,12 @@ def cpu_kernel() -> str:
     return f"near tables ({names[isa]})" if isa else "polynomial in g"
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache of CPU 0, in bytes, as Linux's sysfs gives it; 0 where it says nothing."""
+def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest CPU cache of CPU 0, in bytes, as Linux's sysfs gives it (index*/size, "32768K");
+    0 where it says nothing."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for path in caches.glob("index*/size"):
         text = path.read_text().strip()
         if text[:-1].isdigit() and text[-1] in units:
             sizes.append(int(text[:-1]) * units[text[-1]])
@@ -483,7 +484,8 @@ def markdown(result: dict) -> str:
                          f"{r['kernel_ratio_to_same_bytes']:.2f}x | {r['backward_ms']:.2f} | "
                          f"{r['ratio_to_same_bytes']:.2f}x | {r['torch_backward_ms']:.2f} |")  # fmt: skip
         evicted, cache = result["cpu_backward"][0]["evict_bytes"], result["last_level_cache_bytes"]
-        read = f"after reading {evicted / 2**20:.0f} MB; last-level cache {cache / 2**20:.0f} MB"
+        size = f"{cache / 2**20:.0f} MB" if cache else "not given by sysfs"
+        read = f"after reading {evicted / 2**20:.0f} MB; last-level cache {size}"
         lines += ["", f"From memory (each call timed {read}):", ""]
         lines += ["| CPU backward | same bytes (ms) | kernel alone (ms) | ratio |", "|---|---|---|---|"]
         for r in result["cpu_backward"]:

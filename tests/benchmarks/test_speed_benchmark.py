@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "benchmarks" / "speed.py")
 ALLOCATORS = ("the C library's malloc", "tcmalloc", "jemalloc", "mimalloc")  # what speed.allocator names
@@ -36,6 +38,22 @@ def test_small_cpu_run(tmp_path):
     # the read between calls "from memory" covers the last-level cache several times over (sysfs's size)
     assert all(row["evict_bytes"] >= 2 * data["last_level_cache_bytes"] for row in bandwidth.values())
     assert "From memory (each call timed after reading" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [({"index0": "32K", "index2": "1024K", "index3": "32768K"}, 32 * 2**20), ({"index3": "2M"}, 2 * 2**20),
+     ({"index0": "48K", "index1": "unknown"}, 48 * 2**10), ({}, 0)],
+)  # fmt: skip
+def test_last_level_cache_bytes_reads_sysfs_sizes(tmp_path, monkeypatch, sizes, expected):
+    """The largest size among sysfs's cache entries, in bytes; what it cannot read counts for nothing."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from speed import last_level_cache_bytes
+
+    for index, size in sizes.items():
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == expected
 
 
 def test_bad_arguments():
