@@ -354,13 +354,13 @@ def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
         row["ratio_to_same_bytes"] = float(np.median(ms["backward_ms"] / ms["same_bytes_ms"]))
         row["kernel_ratio_to_same_bytes"] = float(np.median(ms["kernel_ms"] / ms["same_bytes_ms"]))
         row["same_bytes_gbps"] = 3 * 4 * elements / row["same_bytes_ms"] / 1e6
-        cold = {"kernel_from_memory_ms": [], "same_bytes_from_memory_ms": []}
+        from_memory = {"kernel_from_memory_ms": [], "same_bytes_from_memory_ms": []}
         for _ in range(repeats):
-            for k in cold:
+            for k in from_memory:
                 evict.sum()
-                cold[k].append(clock(steps[k.replace("_from_memory", "")]))
-        row.update({k: median_ms(v) for k, v in cold.items()})
-        ms = {k: np.array([t() for t in v]) for k, v in cold.items()}
+                from_memory[k].append(clock(steps[k.replace("_from_memory", "")]))
+        row.update({k: median_ms(v) for k, v in from_memory.items()})
+        ms = {k: np.array([t() for t in v]) for k, v in from_memory.items()}
         ratios = ms["kernel_from_memory_ms"] / ms["same_bytes_from_memory_ms"]
         row["kernel_ratio_from_memory"] = float(np.median(ratios))
         row["same_bytes_from_memory_gbps"] = 3 * 4 * elements / row["same_bytes_from_memory_ms"] / 1e6
