@@ -305,7 +305,7 @@ EVICT_CACHES = 4
 EVICT_MIN_BYTES = 2**27
 
 
-def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
+def cpu_backward_bandwidth(elements: int, repeats: int, cache_bytes: int) -> list[dict]:
     """Per activation of the bare rows: InvAct's CPU backward (bits mode, fp32, `elements`: allocating
     dx, the numba kernel) and the kernel alone (dx given), against a torch pass moving the same bytes
     but the bits: torch.mul(y, dy, out=dx), which reads two fp32 tensors and writes one, as the kernel
@@ -315,14 +315,15 @@ def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
 
     Twice: back to back, where whatever part of the tensors the last-level cache holds is read from it
     (2^22 fp32 elements are 48 MB for the three, near a server's L3), and "from memory", the kernel and
-    the pass each timed after a read of a buffer of EVICT_CACHES times the last-level cache, so that
+    the pass each timed after a read of a buffer of EVICT_CACHES times the last-level cache (of
+    `cache_bytes`, last_level_cache_bytes), so that
     both read their inputs from DRAM, as a training step's backward reads activations saved long
     before. The first shows where the kernel's arithmetic limits it; the second its distance from the
     memory's bandwidth."""
     from invact import _numba
     from invact.activations import ACTIVATIONS
 
-    evict = torch.ones(max(EVICT_CACHES * last_level_cache_bytes(), EVICT_MIN_BYTES) // 4)
+    evict = torch.ones(max(EVICT_CACHES * cache_bytes, EVICT_MIN_BYTES) // 4)
     rows = []
     for name, make in TORCH_ACTIVATIONS.items():
         act = ACTIVATIONS[name]
@@ -343,30 +344,34 @@ def cpu_backward_bandwidth(elements: int, repeats: int) -> list[dict]:
         for step in steps.values():  # warm-up: kernel loading, allocator
             step()
             step()
-        times = {k: [] for k in steps}
-        clock = timer("cpu")
-        for _ in range(repeats):
-            for k, step in steps.items():
-                times[k].append(clock(step))
-        row = {"activation": name, "elements": elements, **{k: median_ms(v) for k, v in times.items()}}
+        ms = _cpu_rounds(steps, repeats)
+        row = {"activation": name, "elements": elements, **{k: float(np.median(v)) for k, v in ms.items()}}
         row["bits_bytes"] = (elements + 7) // 8 if not act.monotone else 0
-        ms = {k: np.array([t() for t in v]) for k, v in times.items()}
         row["ratio_to_same_bytes"] = float(np.median(ms["backward_ms"] / ms["same_bytes_ms"]))
         row["kernel_ratio_to_same_bytes"] = float(np.median(ms["kernel_ms"] / ms["same_bytes_ms"]))
         row["same_bytes_gbps"] = 3 * 4 * elements / row["same_bytes_ms"] / 1e6
-        from_memory = {"kernel_from_memory_ms": [], "same_bytes_from_memory_ms": []}
-        for _ in range(repeats):
-            for k in from_memory:
-                evict.sum()
-                from_memory[k].append(clock(steps[k.replace("_from_memory", "")]))
-        row.update({k: median_ms(v) for k, v in from_memory.items()})
-        ms = {k: np.array([t() for t in v]) for k, v in from_memory.items()}
-        ratios = ms["kernel_from_memory_ms"] / ms["same_bytes_from_memory_ms"]
-        row["kernel_ratio_from_memory"] = float(np.median(ratios))
+        ms = _cpu_rounds({k: steps[k] for k in ("kernel_ms", "same_bytes_ms")}, repeats, before=evict.sum)
+        row["kernel_from_memory_ms"] = float(np.median(ms["kernel_ms"]))
+        row["same_bytes_from_memory_ms"] = float(np.median(ms["same_bytes_ms"]))
+        row["kernel_ratio_from_memory"] = float(np.median(ms["kernel_ms"] / ms["same_bytes_ms"]))
         row["same_bytes_from_memory_gbps"] = 3 * 4 * elements / row["same_bytes_from_memory_ms"] / 1e6
         row["evict_bytes"] = evict.numel() * 4
         rows.append(row)
     return rows
+
+
+def _cpu_rounds(
+    steps: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] = lambda: None
+):
+    """Each step's milliseconds in `repeats` rounds, every round calling the steps once in order, each
+    call after an untimed `before()`: {name: array of repeats}."""
+    clock = timer("cpu")
+    times = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, step in steps.items():
+            before()
+            times[k].append(clock(step))
+    return {k: np.array([t() for t in v]) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measured {name}", flush=True)
     if not rows:
         parser.error(f"--only {args.only} matched no row")
+    cache_bytes = last_level_cache_bytes() if args.device == "cpu" else None
     result = {
         "device": device_name(args.device),
         "torch": torch.__version__,
@@ -417,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "numba_target": numba_target() if args.device == "cpu" else None,
         "cpu_kernel": cpu_kernel() if args.device == "cpu" else None,
         "allocator": allocator() if args.device == "cpu" else None,
-        "last_level_cache_bytes": last_level_cache_bytes() if args.device == "cpu" else None,
+        "last_level_cache_bytes": cache_bytes,
         "dtype": args.dtype,
         "settings": {
             "preset": "small" if args.small else args.preset,
@@ -429,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.device == "cpu" and not args.only:
         rounds = repeats if args.small else max(repeats, BANDWIDTH_ROUNDS)
-        result["cpu_backward"] = cpu_backward_bandwidth(preset["elements"], rounds)
+        result["cpu_backward"] = cpu_backward_bandwidth(preset["elements"], rounds, cache_bytes)
     if args.device == "cuda":
         result["kernel_bandwidth"] = kernel_bandwidth(dtype, preset["elements"], repeats)
     print(markdown(result))
