@@ -401,7 +401,9 @@ def distributed_results(tmp_path_factory):
             log.close()
     logs = "\n".join(f"rank {r}:\n{(out / f'rank{r}.log').read_text()[-3000:]}" for r in range(2))
     if any(proc.returncode != 0 for proc, _ in procs):
-        pytest.fail(f"gloo workers failed or timed out after {_WORKER_TIMEOUT_S} s:\n{logs}")
+        codes = [proc.returncode for proc, _ in procs]  # -N: ended by signal N (-9: killed at the deadline)
+        limit = f"killed if still running at {_WORKER_TIMEOUT_S} s"
+        pytest.fail(f"gloo workers exited with {codes} ({limit}):\n{logs}")
     return {mode: [torch.load(out / f"{mode}_rank{r}.pt") for r in range(2)] for mode in ("ddp", "fsdp")}
 
 
