@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 import sympy
 
 from codegen import spec
 from codegen.coeffs_json import CoeffFile, loads
 from codegen.functions import fold_constants
+from codegen.near_tables import near_table
 from codegen.printers import ReferenceTorchPrinter, ScalarPrinter, TorchPrinter, TritonPrinter, function_body
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -516,163 +515,6 @@ def _shared_near(left: sympy.Expr, right: sympy.Expr, printer: ScalarPrinter) ->
     return f'def q_near_scalar(y, left):\n    """{doc}"""\n' + "\n".join(lines) + "\n"
 
 
-# The near tables (invact._lookup): per instruction set, the entries one lookup instruction reads (the
-# two branches' entries together; invact._lookup.LOOKUPS, checked equal by tests/codegen) and the
-# highest degree worth a table. The entries are split between the branches where the degree that
-# meets NEAR_TABLE_BOUND on both is lowest.
-NEAR_TABLE_LOOKUPS = {"avx512": 32, "avx2": 8}
-# A lookup and a multiply-add per coefficient, where the polynomial in g (degree 14 for the floor fits)
-# costs a blend and a multiply-add: an 8-entry AVX2 table pays beyond degree 12, a 32-entry one
-# (cheap at degree 5, and its two-register lookup the dearer instruction) beyond 8.
-NEAR_TABLE_MAX_DEGREE = {"avx512": 8, "avx2": 12}
-# |table - near piece| allowed. The kernels' fp32 evaluation of a near piece stays
-# within 1e-6 of its float64 value (tests/codegen/test_generated_precision.py; measured worst 1.7e-7),
-# and the table's error adds to that: 2^-22 = 2.4e-7 keeps the sum (4.1e-7) under half of the 1e-6.
-# Each degree less saves a lookup and a multiply-add per block. At 2^-26 (a quarter of fp32's half ulp
-# at 1) AVX-512's 32 entries needed degree 5 (gelu) where 2^-22 needs 4: the AVX-512 near blocks
-# measured 0.33 -> 0.29 ns per element on Zen 4 in cache; AVX2's 8 entries need degree 9 at 2^-26 and
-# 7 at 2^-22, and each degree cost its kernel 0.045 ns per element of about 0.7.
-NEAR_TABLE_BOUND = 2.0**-22
-_CHEBYSHEV_NODES = 64  # per entry: more than any near piece's degree + 1, so the fit is exact
-# How far past the split the last entry's polynomial holds, in u: fp32 rounding of g moves k g by
-# about 1e-7 of n there (n <= 31), so 2^-16 = 1.5e-5 leaves room.
-_PAST_THE_SPLIT = 2.0**-16
-
-
-def _sqrt_of_clamped_shift(g: sympy.Expr) -> tuple[float, float, float] | None:
-    """(e1, a, e2) with g = sqrt(max(e1, y + a) + e2) (the floor family's g), else None."""
-    if not (isinstance(g, sympy.Pow) and g.exp == sympy.Rational(1, 2) and g.base.is_Add):
-        return None
-    numbers = [t for t in g.base.args if t.is_Number]
-    clamps = [t for t in g.base.args if isinstance(t, sympy.Max)]
-    if len(numbers) != 1 or len(clamps) != 1 or len(g.base.args) != 2 or len(clamps[0].args) != 2:
-        return None
-    e1 = [t for t in clamps[0].args if t.is_Number]
-    shifted = [t for t in clamps[0].args if not t.is_Number]
-    if len(e1) != 1 or len(shifted) != 1 or not (shifted[0] - spec.Y).is_Number:
-        return None
-    return float(e1[0]), float(shifted[0] - spec.Y), float(numbers[0])
-
-
-def _entry_scale(g_max: float, entries: int) -> float:
-    """k, the fp32 factor the kernel multiplies g by: k g = n (= entries - 1) at the split, so entry j
-    holds k g in [j - 1/2, j + 1/2]."""
-    return float(np.float32((entries - 1) / g_max))
-
-
-def _entry_series(piece, g_max: float, entries: int) -> list:
-    """piece(g) on each entry j of g = (j + u) / k (k = _entry_scale) as its Chebyshev series in u, on
-    the part of [-1/2, 1/2] that g from 0 to the split covers (and _PAST_THE_SPLIT beyond it). Exact: the
-    piece is a polynomial of lower degree than the nodes."""
-    from numpy.polynomial import Chebyshev
-
-    k = _entry_scale(g_max, entries)
-    cosines = np.cos(np.pi * (np.arange(_CHEBYSHEV_NODES) + 0.5) / _CHEBYSHEV_NODES)
-    series = []
-    for j in range(entries):
-        lo, hi = max(-0.5, -j), min(0.5, g_max * k - j + _PAST_THE_SPLIT)
-        nodes = lo + (hi - lo) * (cosines + 1) / 2
-        series.append(Chebyshev.fit(nodes, piece((j + nodes) / k), _CHEBYSHEV_NODES - 1, domain=[lo, hi]))
-    return series
-
-
-def _cut_bound(series: list, degree: int) -> float:
-    """The largest sum of the magnitudes of the terms past `degree` over the entries' series, which
-    bounds |cut series - piece| since |T_k| <= 1."""
-    return max(float(np.abs(s.coef[degree + 1 :]).sum()) for s in series)
-
-
-def _lowest_degree(series: list, most: int, bound: float) -> int | None:
-    """The lowest degree up to `most` whose cut meets `bound` on every entry, else None."""
-    return next((d for d in range(1, most + 1) if _cut_bound(series, d) <= bound), None)
-
-
-def _entry_polynomials(series: list, degree: int) -> list[list[float]]:
-    """coefficients[j][k] of u^k in entry j: each entry's series cut to `degree` (economization)."""
-    from numpy.polynomial import Polynomial
-
-    rows = []
-    for one in series:
-        power = one.truncate(degree + 1).convert(kind=Polynomial, domain=[-1, 1], window=[-1, 1])
-        rows.append([float(v) for v in np.pad(power.coef, (0, degree + 1 - power.coef.size))])
-    return rows
-
-
-def _near_table(nears: dict[str, sympy.Expr], splits: dict[str, sympy.Expr]) -> tuple[str, list[str]] | None:
-    """The constants invact._lookup.near_table takes, printed: both branches' near pieces as tables for
-    each instruction set (NEAR_TABLE_LOOKUPS), when both are polynomials in affine maps of one
-    g = sqrt(max(e1, y + a) + e2); a table only where a degree up to NEAR_TABLE_MAX_DEGREE meets
-    NEAR_TABLE_BOUND (elsewhere the kernel evaluates the polynomial in g); with the instruction sets
-    that have one. None without any."""
-    forms = {name: _affine_polynomial(nears[name]) for name in ("left", "right")}
-    if None in forms.values() or forms["left"][0] != forms["right"][0]:
-        return None
-    g = forms["left"][0]
-    shape = _sqrt_of_clamped_shift(g)
-    if shape is None:
-        return None
-    g_max, pieces = {}, {}
-    for name, (_, scale, shift, coefficients) in forms.items():
-        g_max[name] = float(g.subs(spec.Y, splits[name]))
-        in_t = np.array([float(v) for v in coefficients[::-1]])  # highest degree first, for polyval
-        pieces[name] = lambda v, s=float(scale), h=float(shift), p=in_t: np.polyval(p, s * v + h)
-    tables = {isa: _isa_table(isa, pieces, g_max) for isa in NEAR_TABLE_LOOKUPS}
-    tables = {isa: text for isa, text in tables.items() if text}
-    if not tables:
-        return None
-    e1, a, e2 = shape
-    return (
-        f"""# The near pieces again, as tables for CPUs with AVX-512 or AVX2 (invact._lookup says how the
-# kernel reads them): each branch's g from 0 to its split in n + 1 entries; entry j holds the near
-# piece on k g in [j - 1/2, j + 1/2] (k g = n at the split) as a polynomial in u = k g - j (its
-# Chebyshev series, cut).
-NEAR_TABLE_G = ({e1!r}, {a!r}, {e2!r})  # g = sqrt(max(e1, y + a) + e2)
-{"".join(tables.values())}""",
-        list(tables),
-    )
-
-
-def _round_up(bound: float) -> str:
-    """bound to three significant digits, rounded up: a printed bound the tests check must not shrink."""
-    step = 10.0 ** (math.floor(math.log10(bound)) - 2)
-    return f"{math.ceil(bound / step) * step:.3g}"
-
-
-def _isa_table(isa: str, pieces: dict, g_max: dict[str, float]) -> str | None:
-    """One instruction set's table, printed (NEAR_TABLE_<ISA>, its entries, scales and bound): the split
-    of its lookup's entries between the branches with the lowest degree (the smaller bound among
-    equals)."""
-    entries, most = NEAR_TABLE_LOOKUPS[isa], NEAR_TABLE_MAX_DEGREE[isa]
-    best = None
-    for n_left in range(2, entries - 1):
-        split = {"left": n_left, "right": entries - n_left}
-        series = {name: _entry_series(pieces[name], g_max[name], split[name]) for name in pieces}
-        degrees = [_lowest_degree(series[name], most, NEAR_TABLE_BOUND) for name in pieces]
-        if None in degrees:
-            continue
-        key = (max(degrees), max(_cut_bound(series[name], max(degrees)) for name in pieces))
-        if best is None or key < best[0]:
-            best = (key, split, series)
-    if best is None:
-        return None
-    (degree, cut), split, series = best
-    fitted = {name: _entry_polynomials(series[name], degree) for name in pieces}
-    columns = fitted["right"] + fitted["left"]  # the right branch's entries first
-    rows = "\n".join(f"    ({', '.join(repr(col[k]) for col in columns)}),"
-                     for k in range(degree + 1))  # fmt: skip
-    scales = tuple(_entry_scale(g_max[name], split[name]) for name in ("left", "right"))
-    name = f"NEAR_TABLE_{isa.upper()}"
-    return f"""# {isa}: one {entries}-entry lookup per coefficient; degree {degree}.
-{name}_ENTRIES = ({split["left"]}, {split["right"]})  # the left branch's, the right's
-{name}_SCALE = ({scales[0]!r}, {scales[1]!r})  # k, fp32: k g = entries - 1 at the split
-{name}_BOUND = {_round_up(cut)}  # |table - near piece|, at most (float64; the cut terms' sum)
-# {name}[k][e]: the coefficient of u^k in entry e, the right branch's for e < {split["right"]}.
-{name} = (
-{rows}
-)
-"""
-
-
 def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
     """The near and far piece of each split branch as scalar functions, and each split as a constant
     (NAME_SPLIT); with which branches have one."""
@@ -695,7 +537,9 @@ def _numba_pieces(c: CoeffFile) -> tuple[str, dict[str, bool]]:
     has_split["shared"] = shared is not None
     if shared is not None:
         blocks.append(shared)
-    table = _near_table(nears, splits) if shared is not None else None
+    table = None
+    if shared is not None:  # both near pieces are polynomials in affine maps of one g
+        table = near_table({name: _affine_polynomial(nears[name]) for name in ("left", "right")}, splits)
     has_split["tables"] = table[1] if table else []
     if table is not None:
         blocks.append(table[0])

@@ -151,7 +151,7 @@ def test_the_tables_fill_the_lookups_the_runtime_reads():
     """codegen sizes each instruction set's near table by the entries of its lookup instruction, which
     invact._lookup emits: the two must agree."""
     pytest.importorskip("numba")
-    from codegen import render
+    from codegen.near_tables import NEAR_TABLE_LOOKUPS
     from invact import _lookup
 
-    assert render.NEAR_TABLE_LOOKUPS == _lookup.LOOKUPS
+    assert NEAR_TABLE_LOOKUPS == _lookup.LOOKUPS

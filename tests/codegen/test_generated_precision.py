@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from codegen import render
+from codegen import near_tables
 from fitting.activations import ACTIVATIONS, get_activation
 from fitting.evaluate import FORMATS, dtype_eval_points
 from fitting.targets import target
@@ -67,7 +67,7 @@ def test_kernel_near_piece_stays_within_the_recorded_error(name, branch):
 
 # The near tables (codegen prints NEAR_TABLE_<ISA> beside q_near_scalar where its degree meets the
 # bound): the table as the kernel reads it, in float64, against the near piece it stands for.
-TABLED = [(name, branch, isa) for name, branch in SHARED_NEAR for isa in render.NEAR_TABLE_LOOKUPS
+TABLED = [(name, branch, isa) for name, branch in SHARED_NEAR for isa in near_tables.NEAR_TABLE_LOOKUPS
           if hasattr(importlib.import_module(f"invact._generated.{name}_cpu"),
                      f"NEAR_TABLE_{isa.upper()}")]  # fmt: skip
 # float64 rounding of both sides (Horner sums of degree <= 14 with terms below 2): 1e-15 each, with room.
