@@ -13,6 +13,7 @@ branches "left" and "right" and a finite threshold and y_min.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -51,9 +52,17 @@ class BranchCoeffs:
 
     def sympy_expression(self) -> sympy.Expr:
         """The expression with its coefficients substituted: y is its only free symbol."""
-        return parse_expression(self.expression, list(self.coefficients), where="").subs(
-            {sympy.Symbol(k, real=True): v for k, v in self.coefficients.items()}
-        )
+        return _substituted(self.expression, tuple(self.coefficients.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _substituted(expression: str, coefficients: tuple[tuple[str, float], ...]) -> sympy.Expr:
+    """BranchCoeffs.sympy_expression, kept: every view of a file (torch, numba, Triton, tables) asks for
+    it, and parsing plus substitution was half of a regeneration's time. sympy expressions are
+    immutable, so the views share one."""
+    return parse_expression(expression, [k for k, _ in coefficients], where="").subs(
+        {sympy.Symbol(k, real=True): v for k, v in coefficients}
+    )
 
 
 @dataclass(frozen=True)

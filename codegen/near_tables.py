@@ -72,23 +72,29 @@ def _affine(p: Polynomial, a: Fraction, b: Fraction) -> Polynomial:
     return tuple(out[: len(p)])  # degree len(p) - 1: the top entry Horner adds is always 0
 
 
-def _to_chebyshev(p: Polynomial) -> Polynomial:
-    """The Chebyshev coefficients on [-1, 1] of the power series p, exactly: Horner's scheme with
-    multiplication by w in the Chebyshev basis (w T_0 = T_1, w T_k = (T_(k+1) + T_(k-1)) / 2)."""
-    out: list[Fraction] = [Fraction(0)] * len(p)
-    for c in reversed(p):
-        nxt = [Fraction(0)] * len(p)
-        for k, v in enumerate(out):
-            if not v:
-                continue
-            if k == 0:
-                nxt[1] += v
-            else:
-                nxt[k - 1] += v / 2
-                nxt[k + 1] += v / 2
-        nxt[0] += c
-        out = nxt
-    return tuple(out)
+def _chebyshev_of_affine(p: Polynomial, a: Fraction, b: Fraction) -> tuple[list[int], int]:
+    """The Chebyshev coefficients on [-1, 1] of p(a w + b) in w, exactly, as (numerators, their common
+    denominator). Horner's scheme in the Chebyshev basis (w T_0 = T_1, w T_k = (T_(k+1) + T_(k-1)) / 2),
+    on integers: with p's coefficients P_i / D, a = alpha / Q and b = beta / Q, the state after t steps
+    is S_t / (D (2 Q)^t) and S_(t+1) = alpha (2 w S_t) + 2 beta S_t + P (2 Q)^(t+1), where 2 w S_t stays
+    whole. (Fraction arithmetic reduces by a gcd at every step; it took most of a regeneration.)"""
+    d = math.lcm(*(c.denominator for c in p))
+    numerators = [c.numerator * (d // c.denominator) for c in p]
+    q = math.lcm(a.denominator, b.denominator)
+    alpha, beta = a.numerator * (q // a.denominator), b.numerator * (q // b.denominator)
+    state, scale = [0] * len(p), 1
+    for c in reversed(numerators):
+        scale *= 2 * q
+        twice_w = [0] * len(p)  # after t < len(p) steps the state has degree t - 1: no index overflows
+        for k, v in enumerate(state):
+            if v and k == 0:
+                twice_w[1] += 2 * v
+            elif v:
+                twice_w[k - 1] += v
+                twice_w[k + 1] += v
+        state = [2 * beta * v + alpha * w for v, w in zip(state, twice_w, strict=True)]
+        state[0] += c * scale
+    return state, d * scale
 
 
 def _to_power(c: Polynomial) -> Polynomial:
@@ -113,9 +119,10 @@ def _fraction(x) -> Fraction:
 @functools.cache
 def _entry_series(piece: tuple[float, float, Polynomial], g_max: float, entries: int) -> tuple:
     """Per entry j of g = (j + u) / k (k = _entry_scale), on the part [lo, hi] of [-1/2, 1/2] that g
-    from 0 to the split covers (and _PAST_THE_SPLIT beyond it): (lo, hi, the Chebyshev series of the
-    near piece in w, u = m + r w with m, r the middle and half-width of [lo, hi]). `piece`: (scale,
-    shift, coefficients in t), the piece being sum_k c_k t^k with t = scale g + shift. Exact."""
+    from 0 to the split covers (and _PAST_THE_SPLIT beyond it): (lo, hi, the numerators of the near
+    piece's Chebyshev series in w, their denominator), u = m + r w with m, r the middle and half-width
+    of [lo, hi]. `piece`: (scale, shift, coefficients in t), the piece being sum_k c_k t^k with
+    t = scale g + shift. Exact."""
     scale, shift, coefficients = piece
     k = Fraction(_entry_scale(g_max, entries))
     series = []
@@ -123,16 +130,16 @@ def _entry_series(piece: tuple[float, float, Polynomial], g_max: float, entries:
         # lo, hi in float64 as the kernel's entry ranges are defined; from here on exact.
         lo, hi = max(-0.5, -j), min(0.5, g_max * float(k) - j + _PAST_THE_SPLIT)
         m, r = (Fraction(lo) + Fraction(hi)) / 2, (Fraction(hi) - Fraction(lo)) / 2
-        # t = scale (j + m + r w) / k + shift
-        in_w = _affine(coefficients, scale * r / k, scale * (j + m) / k + shift)
-        series.append((lo, hi, _to_chebyshev(in_w)))
+        a, b = scale * r / k, scale * (j + m) / k + shift  # t = scale (j + m + r w) / k + shift = a w + b
+        series.append((lo, hi, *_chebyshev_of_affine(coefficients, a, b)))
     return tuple(series)
 
 
 def _cut_bound(series: tuple, degree: int) -> Fraction:
     """The largest sum of the magnitudes of the terms past `degree` over the entries' series, which
     bounds |cut series - piece| since |T_k| <= 1 on [-1, 1]. Exact."""
-    return max(sum((abs(c) for c in chebyshev[degree + 1 :]), Fraction(0)) for _, _, chebyshev in series)
+    return max(Fraction(sum(abs(v) for v in numerators[degree + 1 :]), denominator)
+               for _, _, numerators, denominator in series)  # fmt: skip
 
 
 def _lowest_degree(series: tuple, most: int, bound: Fraction) -> int | None:
@@ -144,9 +151,10 @@ def _entry_polynomials(series: tuple, degree: int) -> list[list[float]]:
     """coefficients[j][k] of u^k in entry j: each entry's series cut to `degree` (economization), back in
     the power basis of u (w = (u - m) / r), each rounded once to float64."""
     rows = []
-    for lo, hi, chebyshev in series:
+    for lo, hi, numerators, denominator in series:
         m, r = (Fraction(lo) + Fraction(hi)) / 2, (Fraction(hi) - Fraction(lo)) / 2
-        in_u = _affine(_to_power(chebyshev[: degree + 1]), 1 / r, -m / r)
+        chebyshev = tuple(Fraction(v, denominator) for v in numerators[: degree + 1])
+        in_u = _affine(_to_power(chebyshev), 1 / r, -m / r)
         rows.append([float(v) for v in in_u] + [0.0] * (degree + 1 - len(in_u)))  # a piece of lower degree
     return rows
 
