@@ -21,7 +21,8 @@ from swap import replace_activations
 from torch import nn
 
 from codegen import coeffs_json, spec
-from codegen.render import COEFFS, render_torch
+from codegen.common import COEFFS
+from codegen.torch_view import render_torch
 from invact import _bits, _portable
 from invact._layout import flat
 from invact.activations import ACTIVATIONS, Activation

@@ -97,8 +97,8 @@ class TritonPrinter(_ElementwisePrinter):
     # (an activation that uses them gives its Triton forward as a formula without them, spec `triton`).
     FUNCTIONS = {
         "erf": "tl.erf({})",
-        "log1p": "_log1p({})",  # a helper printed in the module (codegen.render)
-        "expm1": "_expm1({})",  # a helper printed in the module (codegen.render)
+        "log1p": "_log1p({})",  # a helper printed in the module (codegen.torch_view, codegen.triton_view)
+        "expm1": "_expm1({})",  # a helper printed in the module (codegen.torch_view, codegen.triton_view)
         "Phi": "(0.5 * (1.0 + tl.erf(0.7071067811865476 * ({}))))",
         "sigmoid": "(1.0 / (1.0 + tl.exp(-({}))))",
     }

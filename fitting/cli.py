@@ -273,7 +273,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         emitted = None
         if args.emit:
             from codegen.coeffs_json import loads
-            from codegen.render import cpu_runtime_sources, render_emitted
+            from codegen.emitted import render_emitted
+            from codegen.numba_view import cpu_runtime_sources
 
             sources = [(out.as_posix(), hashlib.sha256(text.encode("utf-8")).hexdigest())]
             sources.extend(cpu_runtime_sources())

@@ -17,7 +17,7 @@ from pathlib import Path
 from invact.activations import Activation, register
 from invact.modules import InvAct
 
-EMITTED_FORMAT = 1  # the layout codegen.render.render_emitted prints
+EMITTED_FORMAT = 1  # the layout codegen.emitted.render_emitted prints
 # What the runtime reads from an emitted module: the torch, numba and Triton views and the constants.
 _REQUIRED = ("ACTIVATION", "MODULE_CLASS", "FAMILY", "MONOTONE", "THRESHOLD", "Y_MIN", "torch_forward", "f64",
              "df64", "q_right", "q_right_scalar", "triton_forward", "triton_q_right")  # fmt: skip

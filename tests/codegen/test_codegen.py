@@ -114,7 +114,7 @@ def test_a_default_without_a_spec_entry_is_one_line(tmp_path):
 
 def _shared_near_function(left: sympy.Expr, right: sympy.Expr):
     """codegen's q_near_scalar for two near pieces, executed from its printed source (or None)."""
-    from codegen.render import _shared_near
+    from codegen.numba_view import _shared_near
 
     source = _shared_near(left, right, ScalarPrinter())
     if source is None:

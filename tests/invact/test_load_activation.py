@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import invact
-from codegen import render, spec
+from codegen import spec
+from codegen.emitted import EMITTED_FORMAT
 from fitting import activations as fitting_activations
 from fitting import cli
 from invact import loader
@@ -41,7 +42,7 @@ def test_the_activation_is_made_up():
 
 
 def test_loader_reads_the_format_codegen_prints():
-    assert loader.EMITTED_FORMAT == render.EMITTED_FORMAT
+    assert loader.EMITTED_FORMAT == EMITTED_FORMAT
 
 
 def test_the_fit_reaches_the_floor_familys_goal(act_class):
