@@ -46,7 +46,7 @@ class CoeffsError(ValueError):
 class BranchCoeffs:
     expression: str  # sympy string in y and the coefficient names
     coefficients: dict[str, float]
-    errors: dict[str, float]  # ERROR_KEYS, see README "Error metrics"
+    errors: dict[str, float]  # ERROR_KEYS, see docs/fitting.md "Error metrics"
     storage_floor: dict[str, float]  # FLOOR_KEYS: the error no approximation beats in that dtype
     flops: int
 

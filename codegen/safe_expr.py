@@ -1,7 +1,7 @@
 """The one way text becomes a sympy expression: an allow-listed walk over Python's `ast`, never eval.
 
 Coefficient files, --init files, the activation registry's strings and a search backend's output are
-all read here (README, "Coefficient files"). The text is parsed with ``ast.parse(mode="eval")``,
+all read here (docs/how-it-works.md, "Coefficient files"). The text is parsed with ``ast.parse(mode="eval")``,
 which only builds a syntax tree and runs nothing; the tree is then walked, and every node must be one of
 
 - a number literal (int or float; no complex, no strings, no bytes),

@@ -80,7 +80,7 @@ import torch
 ACTIVATION = {c.activation!r}
 FAMILY = {c.family!r}
 {split}
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {json.dumps(errors, sort_keys=True)}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}

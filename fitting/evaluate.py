@@ -1,4 +1,4 @@
-"""Error metrics of an approximation q of f'(f_b^-1(y)) (README, "Error metrics"), and flop counts.
+"""Error metrics of an approximation q of f'(f_b^-1(y)) (docs/fitting.md, "Error metrics"), and flop counts.
 
 - linf: max |q(y) - target(y)| with y = f(x) in float64, x on the branch within [-20, 20]: a uniform
   grid of 2^17 points plus 4096 points geometric in |x - T| from 1e-12 (the cusp).

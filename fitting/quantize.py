@@ -9,7 +9,8 @@ gradients (dimensionless); x is the pre-activation. Metrics of an approximation 
   gradient * sqrt(x)); the definition of a published FewBit table (a gradient-descent re-implementation).
 - `linf`: max |g - f'| over x in [-100, 100] (gradient units).
 - `l2_normal`: RMS of g - f' with x ~ N(0, 1), on the quadrature of `fitting.evaluate.l2` but over both
-  branches at once (gradient units): the project's `l2` (README, "Error metrics") for a function of x.
+  branches at once (gradient units): the project's `l2` (docs/fitting.md, "Error metrics") for a
+  function of x.
 
 Optima (each is exact for its discretization; see the functions for the resolution):
 - `l2_optimal`: minimizes int w (Q - f')^2 dx (w = 1 on [-100, 100], or the N(0, 1) density on

@@ -220,7 +220,7 @@ def plan(
     (replaced or left alone, and why). Changes nothing.
 
     `include`/`exclude`: glob patterns on module names (a string or several), e.g.
-    "encoder.layer.*.intermediate.*"; a pattern that matches no activation is a ValueError.
+    `"encoder.layer.*.intermediate.*"`; a pattern that matches no activation is a ValueError.
     `example_inputs`: a tensor, a tuple of positional arguments or a dict of keyword arguments for
     one training-mode forward of the model (RNG state and train/eval modes are restored). With them
     each activation is replaced only where that saves memory, measured: its output must be what a

@@ -1,7 +1,7 @@
 """The 'floor' family: piecewise polynomials in variables where q is smooth, at the fp32 storage floor.
 
-Goal: error <= GOAL = 1e-5 on the fp32 lattice (README, "Error metrics") on both branches, with kernels that
-keep it when they compute in fp32. Each branch is two pieces, selected by y; each piece is
+Goal: error <= GOAL = 1e-5 on the fp32 lattice (docs/fitting.md, "Error metrics") on both branches,
+with kernels that keep it when they compute in fp32. Each branch is two pieces, selected by y; each piece is
 q = A(y) + B(y) * P(z), P a Horner polynomial in z in [-1, 1] with monomial coefficients c_k:
 
 - left, y < split:  P(s), s = sqrt(y - y_min): f'(f^-1(y)) is analytic in s at the cusp.

@@ -3,8 +3,8 @@ by this toolkit.
 
 A backend proposes expressions in u = y - y_min >= 0 (the distance from the cusp) with numeric
 constants. Each is turned into a BranchForm whose constants become free coefficients c0..cn, fitted
-like any family (least squares, then minimax), and measured with the README's error metrics. The result
-per branch is the Pareto front of (flops, linf_fp32).
+like any family (least squares, then minimax), and measured with the error metrics of
+docs/fitting.md. The result per branch is the Pareto front of (flops, linf_fp32).
 
 Backends: "operon" (pyoperon, embedded, runs anywhere) and "pysr" (needs Julia, which cannot be
 installed on this project's machines; without it the search fails at once, writing nothing).

@@ -13,7 +13,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -0.7517915246935645  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.16997120747990363  # f(T)
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 1.228082996397099e-06, "linf": 1.7537263223010857e-06, "linf_bf16": 1.7537260681571576e-06, "linf_fp16": 1.7537260681571576e-06, "linf_fp32": 1.753726322606397e-06}, "right": {"l2": 1.1925640509188464e-06, "linf": 1.6343142832386803e-06, "linf_bf16": 1.6328632017614808e-06, "linf_fp16": 1.6342672426450378e-06, "linf_fp32": 1.6343142827945911e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.014397961253797442, "fp16": 0.006465115599848775, "fp32": 4.772881636230797e-05}, "right": {"bf16": 0.015527051957455601, "fp16": 0.006583499730818343, "fp32": 4.772737017544326e-05}}

@@ -13,7 +13,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -0.7524614220710162  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.17004075057125406  # f(T)
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 8.558686278158163e-07, "linf": 1.2835406277555972e-06, "linf_bf16": 1.2833706686254942e-06, "linf_fp16": 1.2835409501227302e-06, "linf_fp32": 1.283540627436408e-06}, "right": {"l2": 9.446655333208964e-07, "linf": 1.3126139364327827e-06, "linf_bf16": 1.3064202244450485e-06, "linf_fp16": 1.3065212389751224e-06, "linf_fp32": 1.3126183078249198e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.012097515756524985, "fp16": 0.0069739018546012554, "fp32": 5.127494734200044e-05}, "right": {"bf16": 0.01328617652750283, "fp16": 0.007121941105241919, "fp32": 5.129018483784886e-05}}

@@ -13,7 +13,7 @@ FAMILY = 'exact'
 MONOTONE = False
 THRESHOLD = -1.5  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.375  # f(T)
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 1.4149849352322447e-15, "linf": 5.747783583081452e-09, "linf_bf16": 0.5, "linf_fp16": 0.4999999602635685, "linf_fp32": 8.3177307272711e-14}, "right": {"l2": 4.6849665861294e-16, "linf": 5.747783472059149e-09, "linf_bf16": 4.440892098500626e-16, "linf_fp16": 6.661338147750939e-16, "linf_fp32": 8.306628497024848e-14}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.025500174205838277, "fp16": 0.00901954687075568, "fp32": 9.961331380869964e-05}, "right": {"bf16": 0.5, "fp16": 0.5, "fp32": 9.946868842897194e-05}}

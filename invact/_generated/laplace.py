@@ -13,7 +13,7 @@ FAMILY = 'floor'
 MONOTONE = True  # one branch ("right") for every x, no bit stored
 THRESHOLD = None
 Y_MIN = 0.0  # inf f, the limit x -> -inf
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"right": {"l2": 6.833696230571863e-07, "linf": 1.116754057672864e-06, "linf_bf16": 1.1165557900483236e-06, "linf_fp16": 1.116756753738457e-06, "linf_fp32": 1.1167540558965072e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"right": {"bf16": 0.02198973453712615, "fp16": 0.0032346307480518133, "fp32": 5.89413179327095e-07}}

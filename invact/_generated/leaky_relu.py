@@ -13,7 +13,7 @@ FAMILY = 'exact'
 MONOTONE = True  # one branch ("right") for every x, no bit stored
 THRESHOLD = None
 Y_MIN = float("-inf")  # inf f, the limit x -> -inf
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"right": {"l2": 0.0, "linf": 0.0, "linf_bf16": 0.0, "linf_fp16": 0.0, "linf_fp32": 0.0}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"right": {"bf16": 0.0, "fp16": 0.0, "fp32": 0.0}}

@@ -13,7 +13,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -1.1924312145154954  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.30884341301725043  # f(T)
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 6.171967017269047e-07, "linf": 9.761703945575934e-07, "linf_bf16": 9.761700986380545e-07, "linf_fp16": 9.761700986380545e-07, "linf_fp32": 9.761703945523892e-07}, "right": {"l2": 1.0179415264261572e-06, "linf": 1.4662664104547751e-06, "linf_bf16": 1.4662617320859717e-06, "linf_fp16": 1.4662663978537438e-06, "linf_fp32": 1.4662664102882417e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.013014717362388906, "fp16": 0.006403485247641172, "fp32": 6.916524698669102e-05}, "right": {"bf16": 0.014970022729107746, "fp16": 0.006628791356498853, "fp32": 6.918357716190204e-05}}

@@ -13,7 +13,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -0.7511542554412891  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.16361018963635354  # f(T)
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 7.883260285738424e-07, "linf": 1.2036828047710252e-06, "linf_bf16": 1.2036753446343501e-06, "linf_fp16": 1.2036828359578838e-06, "linf_fp32": 1.203682804765821e-06}, "right": {"l2": 1.5060764958911456e-06, "linf": 2.1579178177133507e-06, "linf_bf16": 2.1578541031241905e-06, "linf_fp16": 2.1579171844421374e-06, "linf_fp32": 2.1579178179909064e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.013774638582417342, "fp16": 0.005109010920759438, "fp32": 7.149256946731297e-05}, "right": {"bf16": 0.015262512931937672, "fp16": 0.005218930752702994, "fp32": 7.166326262311729e-05}}

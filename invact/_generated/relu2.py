@@ -13,7 +13,7 @@ FAMILY = 'exact'
 MONOTONE = True  # one branch ("right") for every x, no bit stored
 THRESHOLD = None
 Y_MIN = 0.0  # inf f, the limit x -> -inf
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"right": {"l2": 0.0, "linf": 0.0, "linf_bf16": 7.105427357601002e-15, "linf_fp16": 7.105427357601002e-15, "linf_fp32": 7.105427357601002e-15}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"right": {"bf16": 0.06231736997506232, "fp16": 0.007777863866891721, "fp32": 9.474055673308612e-07}}

@@ -13,7 +13,7 @@ FAMILY = 'exact'
 MONOTONE = True  # one branch ("right") for every x, no bit stored
 THRESHOLD = None
 Y_MIN = -1.7580993408473766  # inf f, the limit x -> -inf
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"right": {"l2": 1.4989948627490439e-16, "linf": 4.496411931819593e-16, "linf_bf16": 4.440892098500626e-16, "linf_fp16": 5.551115123125783e-16, "linf_fp32": 5.551115123125783e-16}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"right": {"bf16": 0.0039061558371167315, "fp16": 0.0004882259552307308, "fp32": 5.960391357695007e-08}}

@@ -13,7 +13,7 @@ FAMILY = 'floor'
 MONOTONE = False
 THRESHOLD = -1.278464542761074  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = -0.27846454276107385  # f(T)
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"left": {"l2": 9.668007378212048e-07, "linf": 1.3831271524558653e-06, "linf_bf16": 1.3767709480735912e-06, "linf_fp16": 1.3823448353628143e-06, "linf_fp32": 1.3831271498121467e-06}, "right": {"l2": 8.783572663253368e-07, "linf": 1.25782240539829e-06, "linf_bf16": 1.25782240539829e-06, "linf_fp16": 1.25782240539829e-06, "linf_fp32": 1.25782240539829e-06}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"left": {"bf16": 0.013265895498637353, "fp16": 0.004694904665256933, "fp32": 5.6517765439856316e-05}, "right": {"bf16": 0.015008857215276727, "fp16": 0.00491532220759075, "fp32": 5.6660585919660056e-05}}

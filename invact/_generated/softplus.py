@@ -13,7 +13,7 @@ FAMILY = 'exact'
 MONOTONE = True  # one branch ("right") for every x, no bit stored
 THRESHOLD = None
 Y_MIN = 0.0  # inf f, the limit x -> -inf
-# Measured by invact-fit (README, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
+# Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {"right": {"l2": 4.926239089113077e-17, "linf": 2.220446049250313e-16, "linf_bf16": 1.1102230246251565e-16, "linf_fp16": 1.1102230246251565e-16, "linf_fp32": 1.1102230246251565e-16}}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {"right": {"bf16": 0.0014063438441369591, "fp16": 0.0001790469835328823, "fp32": 2.1713901121600543e-08}}
