@@ -100,7 +100,10 @@ def _tensors(output) -> list[torch.Tensor]:
 
 
 def _ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The identity of t's storage: its address; on the meta device, where every address is 0, the
+    storage itself (its StorageImpl, which views share)."""
+    storage = t.untyped_storage()
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def _holders(storage) -> int | None:

@@ -3,8 +3,8 @@
 `saved_tensors(model, *inputs)` runs a forward pass under torch.autograd.graph.saved_tensors_hooks and
 counts every distinct storage autograd saves (a storage saved twice, e.g. by an activation and a Linear,
 counts once), excluding the model's parameters and buffers; `count_saved(model)` does the same around
-any code (a training step of your own). Tensors saved inside
-torch.utils.checkpoint regions are invisible to these hooks.
+any code (a training step of your own), also on the meta device (shapes only: `invact plan`).
+Tensors saved inside torch.utils.checkpoint regions are invisible to these hooks.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ def parameter_storages(model: nn.Module) -> set[int]:
     return {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in tensors}
 
 
+def meta_parameter_storages(model: nn.Module) -> set[int]:
+    """The identities (StorageImpl addresses, `storage._cdata`) of the storages of `model`'s parameters
+    and buffers on the meta device, where every data pointer is 0 and so cannot tell them apart."""
+    tensors = (*model.parameters(), *model.buffers())
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return {t.untyped_storage()._cdata for t in local if t.is_meta}
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -55,13 +63,23 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
 
     def __init__(self, model: nn.Module) -> None:
         self._excluded = parameter_storages(model)
+        self._excluded_meta = meta_parameter_storages(model)
         self._storages: dict[int, tuple[torch.UntypedStorage, str]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.report = MemoryReport()
 
+    def _counts(self, storage: torch.UntypedStorage) -> bool:
+        """Whether a saved storage counts: not empty, not a parameter's or buffer's (told apart by
+        address, and on the meta device, where every address is 0, by the storage's identity)."""
+        if not storage.nbytes():
+            return False
+        if storage.device.type == "meta":
+            return storage._cdata not in self._excluded_meta
+        return storage.data_ptr() not in self._excluded
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self._excluded and storage.nbytes():
+        if self._counts(storage):
             # Keyed by the storage itself, not its address, and sized on exit: FSDP2 frees the
             # gathered weights the forward saved by resizing their storage to 0 (the address then
             # goes to later tensors), and gathers them again for backward.

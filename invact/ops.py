@@ -143,7 +143,9 @@ def _eager_backward(ctx, dy):
         act = ACTIVATIONS[ctx.activation]
         dx = _portable.backward(act, flat(y), bits, flat(like(dy, y)), ctx.precision_bit)
         return shaped_like(dx, y), None, None
-    backward = torch.ops.invact.backward if torch.is_grad_enabled() else _backward_impl
+    # On the meta device (shapes only: `invact plan`) the op's fake kernel gives dx: the float64
+    # backward's Newton iterations read values, which meta tensors have none of.
+    backward = torch.ops.invact.backward if torch.is_grad_enabled() or y.is_meta else _backward_impl
     return backward(dy, y, bits, ctx.activation, ctx.precision_bit), None, None
 
 

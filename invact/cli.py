@@ -1,0 +1,211 @@
+"""The `invact` command (also `python -m invact`). `invact plan CONFIG.json --batch B --seq S`: what one
+training forward of a Hugging Face model saves for backward, eager and after invact.patch(), from its
+config alone, on the meta device (invact.planner). Bad input is one line on stderr, exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+
+from invact.planner import DTYPES, KINDS, PlanError
+
+ERROR_STATUS = 2  # bad input, as argparse's own usage errors
+
+_PLAN_DESCRIPTION = """\
+Build the model a Hugging Face config JSON describes (its causal-LM class, else its base model) on
+the meta device, with shapes only: no weights, nothing allocated, nothing downloaded. Run one
+training-mode forward of input_ids (batch, seq) (use_cache off, no labels, no loss) under invact's
+saved-tensor counter, once eager and once after invact.patch(model), and print what each saves for
+backward, per kind of module and in total, with patch()'s decisions."""
+
+_PLAN_EPILOG = """\
+What the figures are: bytes autograd saves for backward in one training forward, what a real forward
+of these shapes keeps for the backward pass, each storage once (a tensor saved by an activation and
+by the next Linear counts once), the model's parameters and buffers excluded. Not in them: the
+forward's output (the logits, batch x seq x vocab, held until the loss is computed; printed
+separately), gradients, optimizer state, and what backward allocates.
+
+Kinds: each saved storage counts where it was first saved (the innermost module running then), an
+activation's output with the activation wherever it is saved, and a gated product act(g) * u, what a
+gated MLP's down projection saves, as its own kind (patch() recomputes it in backward). Where
+patch() moves y into a fused gate_up output (Phi-3, MoE experts), that one storage counts under
+"MLP, other". Norms are not inverted by patch(): their row is what they hold both ways.
+
+Attention: attn_implementation="sdpa" (transformers' eager attention where the model has no SDPA
+path); scaled_dot_product_attention runs the kernel torch picks on CPU for the same shapes, dtype,
+mask and dropout: "flash" saves q, k, v, the output and a logsumexp (as CUDA's flash kernel does),
+"math" also the attention probabilities (batch x heads x seq x seq per layer; CPU picks it with
+attention dropout > 0, where CUDA's flash kernel would not). The output says which ran.
+
+Exit status: 0, or 2 with one line on stderr for bad input: no such file, invalid JSON, a config
+transformers cannot build, a model whose forward cannot run on the meta device, a non-positive
+batch or seq, an unknown dtype."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line ("PROG: error: ...") and exits with status 2."""
+
+    def error(self, message: str) -> None:
+        _fail(self.prog, message)
+
+
+def _fail(prog: str, message: str) -> None:
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    raise SystemExit(ERROR_STATUS)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="invact", description="invact: inverted activations for PyTorch training.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    plan = commands.add_parser(
+        "plan",
+        help="what training saves for backward, eager and after invact.patch(), from a config alone",
+        description=_PLAN_DESCRIPTION,
+        epilog=_PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("config", metavar="CONFIG.json",
+                      help="a Hugging Face config JSON file (or a folder holding config.json); read "
+                           "locally, nothing downloads")  # fmt: skip
+    plan.add_argument("--batch", type=_positive, required=True, metavar="B",
+                      help="batch size: input_ids are (B, S)")  # fmt: skip
+    plan.add_argument("--seq", type=_positive, required=True, metavar="S", help="sequence length, tokens")
+    plan.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
+                      help=f"the model's dtype: {', '.join(DTYPES)} (default: bfloat16)")  # fmt: skip
+    plan.add_argument("--no-gated", dest="gated", action="store_false",
+                      help="patch(gated=False): replace the activations only, keep gated MLPs' products "
+                           "(default: the gated path, patch()'s default)")  # fmt: skip
+    plan.add_argument("--json", action="store_true",
+                      help="print one JSON object (eager_saved_bytes, patched_saved_bytes, kinds, "
+                           "decisions, config, batch, seq, dtype, ...) instead of the table")  # fmt: skip
+    return parser
+
+
+def _bytes(n: int) -> str:
+    """n bytes in GiB, MiB or KiB (binary units), as a person reads them."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _change(eager: int, patched: int) -> str:
+    if patched == eager:
+        return "="
+    if not eager:
+        return "new"
+    return f"{patched / eager - 1:+.1%}"
+
+
+def _pattern(name: str) -> str:
+    """A module name with its layer indices as *: one line for every layer's copy."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def _decision_lines(decisions: list[dict]) -> list[str]:
+    groups: dict[tuple, int] = {}
+    for d in decisions:
+        gated = _pattern(d["gated"]) if d["gated"] else None
+        key = (d["replace"], _pattern(d["name"]) or "(the model)", d["class"], d["reason"], gated)
+        groups[key] = groups.get(key, 0) + 1
+    replaced = sum(1 for d in decisions if d["replace"])
+    lines = [f"patch(): {replaced} activation(s) replaced, {len(decisions) - replaced} left alone"]
+    for (replace, name, cls, reason, gated), count in groups.items():
+        times = f" (x{count})" if count > 1 else ""
+        verb = "replaced" if replace else "left alone"
+        hooked = f"; gated-product hook on {gated or '(the model)'}" if gated is not None else ""
+        text = f"{verb}: {name}{times}, {cls}: {reason}{hooked}"
+        lines += textwrap.wrap(text, width=100, initial_indent="  ", subsequent_indent="      ")
+    if not decisions:
+        lines.append("  (no activation module found)")
+    return lines
+
+
+def format_plan(result: dict) -> str:
+    """The planner's result as a compact table for a person: totals and the relative change on top."""
+    eager, patched = result["eager_saved_bytes"], result["patched_saved_bytes"]
+    source = result["config"] or "a config"
+    attention = result["attention"]
+    kernels = ", ".join(attention["kernels"])
+    used = attention["implementation"] + (f" ({kernels} kernel)" if kernels else "")
+    lines = [
+        f"invact plan: {result['model_class']} from {source}",
+        f"batch {result['batch']} x seq {result['seq']}, {result['dtype']}, one training forward; "
+        f"attention: {used}",
+        "",
+        f"saved for backward: eager {_bytes(eager)} -> patch() {_bytes(patched)}: "
+        f"{_change(eager, patched)} ({_bytes(patched - eager)})",
+        "",
+    ]
+    rows = [(k["label"], k["eager_bytes"], k["patched_bytes"]) for k in result["kinds"]]
+    rows = [r for r in rows if r[1] or r[2]]
+    header = ("", "eager", "patch()", "change")
+    table = [header] + [(label, _bytes(e), _bytes(p), _change(e, p)) for label, e, p in rows]
+    table.append(("total", _bytes(eager), _bytes(patched), _change(eager, patched)))
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    for i, (label, *figures) in enumerate(table):
+        if i == len(table) - 1:
+            lines.append("-" * (sum(widths) + 2 * 3))
+        cells = [f"{label:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(figures, widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    lines += [
+        "",
+        f"not counted: the output (logits, held until the loss) {_bytes(result['output_bytes'])}; "
+        f"parameters and buffers {_bytes(result['parameter_bytes'])}",
+        "",
+        *_decision_lines(result["decisions"]),
+        "",
+        *textwrap.wrap(
+            "Bytes autograd saves for backward in one training forward of input_ids (batch, seq), each "
+            "storage once, parameters and buffers excluded; measured on the meta device (shapes only). "
+            "invact plan --help explains the kinds.",
+            width=100,
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _plan(args) -> int:
+    try:
+        import transformers
+    except ImportError:
+        _fail("invact plan", "transformers is not installed: pip install transformers")
+    transformers.utils.logging.set_verbosity_error()  # its advice on configs would interleave the table
+    from invact.planner import plan_memory
+
+    try:
+        result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated)
+    except PlanError as e:
+        _fail("invact plan", str(e))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_plan(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `invact` console command; returns the exit status (0, or 2 for bad input)."""
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "plan":
+            return _plan(args)
+    except SystemExit as e:  # argparse's --help (0) and the one-line errors (2)
+        return e.code if isinstance(e.code, int) else ERROR_STATUS
+    return ERROR_STATUS  # pragma: no cover - argparse requires a known command
+
+
+__all__ = ["KINDS", "format_plan", "main"]
