@@ -12,6 +12,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
+	# The toolkit's packages by their own names (fitting, codegen) for tests, notebooks and benchmarks:
+	# the wheel installs them only inside invact (pyproject.toml says why), so the venv gets the checkout.
+	$(BIN)/python -c 'import site, sys; open(site.getsitepackages()[0] + "/invact-checkout.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
 	touch $@
 
 # The refits go to build/fit/, not coeffs/: the minimax step lands on slightly different coefficients

@@ -9,9 +9,11 @@ from pathlib import Path
 from codegen.coeffs_json import CoeffFile
 from codegen.printers import function_body
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout; invact/_toolkit in an installed wheel
 COEFFS = ROOT / "coeffs"
-GENERATED = ROOT / "invact" / "_generated"
+# The runtime package: beside codegen/ in a checkout, around it in a wheel (pyproject.toml says why).
+RUNTIME = ROOT / "invact" if (ROOT / "invact").is_dir() else ROOT.parent
+GENERATED = RUNTIME / "_generated"
 
 
 def header(sources: list[tuple[str, str]]) -> str:
@@ -54,8 +56,11 @@ def sha256(data: bytes) -> str:
 
 
 def rel(path: Path) -> str:
-    """path relative to the checkout, as a header names it (absolute where it lies outside)."""
-    try:
-        return path.resolve().relative_to(ROOT).as_posix()
-    except ValueError:
-        return path.as_posix()
+    """path as a header names it: relative to the checkout (to the runtime's parent for the runtime's
+    files, so that a wheel's headers name them alike), else absolute."""
+    for base in (ROOT, RUNTIME.parent):
+        try:
+            return path.resolve().relative_to(base).as_posix()
+        except ValueError:
+            continue
+    return path.as_posix()

@@ -3,6 +3,8 @@ which invact.load_activation imports: every view in one file."""
 
 from __future__ import annotations
 
+import textwrap
+
 from codegen import spec
 from codegen.coeffs_json import CoeffFile
 from codegen.common import errors_doc, header
@@ -10,7 +12,9 @@ from codegen.numba_view import numba_view
 from codegen.torch_view import render_torch
 from codegen.triton_view import triton_functions
 
-EMITTED_FORMAT = 1  # what invact.load_activation checks: the layout of render_emitted's module
+# What invact.load_activation checks: the layout of render_emitted's module. 2: the numba view is
+# defined only where numba imports (1 imported numba unconditionally).
+EMITTED_FORMAT = 2
 
 
 def render_emitted(c: CoeffFile, entry: spec.Entry, sources: list[tuple[str, str]], command: str) -> str:
@@ -23,7 +27,9 @@ def render_emitted(c: CoeffFile, entry: spec.Entry, sources: list[tuple[str, str
         raise ValueError(f"coefficients of {c.activation!r} cannot be emitted for {entry.name!r}")
     torch_view = render_torch(c, sources, entry)
     torch_view = torch_view[torch_view.index("\nACTIVATION = ") + 1 :]  # its constants and functions
-    cpu_view = numba_view(c)
+    # Inside `if numba is not None:`, so that a user with torch alone (and the toolkit's numpy) can load
+    # it: invact's CPU backward is then its portable torch path, which reads the torch view.
+    cpu_view = textwrap.indent(numba_view(c), "    ")
     triton_view = triton_functions(c, entry, decorator="@_jit\n", prefix="triton_")
     title = f"{c.activation}: a user-defined InvAct activation, f(x) = {entry.f}; family {c.family!r}."
     head = header(sources).replace("`python -m codegen`", f"`{command}`")
@@ -45,12 +51,16 @@ kernels compile, and the Triton device functions (jitted where triton is install
 
 import math  # noqa: F401
 
-import numba
-import numpy as np
 import torch
 
-from invact import _lookup  # noqa: F401
-from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
+try:
+    import numba
+    import numpy as np
+
+    from invact import _lookup  # noqa: F401
+    from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
+except ImportError:  # without numba, invact's CPU backward is its portable torch path: no numba view
+    numba = None
 
 try:
     import triton
@@ -68,9 +78,10 @@ MODULE_CLASS = {cls}
 FORMULA = {formula}
 {torch_view}
 
-# The numba view: q as fp32 scalar functions, and the backward kernel compiled from them.
+# The numba view (where numba is installed): q as fp32 scalar functions, and the backward kernel
+# compiled from them.
 
-
+if numba is not None:
 {cpu_view}
 
 # The Triton view.

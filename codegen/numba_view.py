@@ -9,7 +9,7 @@ import sympy
 
 from codegen import spec
 from codegen.coeffs_json import CoeffFile
-from codegen.common import ROOT, header, per_branch, q_functions, rel, sha256
+from codegen.common import RUNTIME, header, per_branch, q_functions, rel, sha256
 from codegen.near_tables import near_table
 from codegen.numba_templates import (
     BRANCH_BIT,
@@ -185,7 +185,7 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
 
 
 # What the numba view calls: sources of every file holding one.
-CPU_RUNTIME = (ROOT / "invact" / "_cpu_math.py", ROOT / "invact" / "_lookup.py")
+CPU_RUNTIME = (RUNTIME / "_cpu_math.py", RUNTIME / "_lookup.py")
 
 
 def cpu_runtime_sources() -> list[tuple[str, str]]:

@@ -36,11 +36,16 @@ class UsageError(Exception):
     """Bad input: reported in one line, exit status 2."""
 
 
+def in_checkout() -> bool:
+    """Running from a source checkout (pyproject.toml beside fitting/), not from an installed wheel,
+    whose toolkit lives in invact/_toolkit/ (see invact.fit_cli)."""
+    return (_PACKAGE_ROOT / "pyproject.toml").exists() and (_PACKAGE_ROOT / "coeffs").is_dir()
+
+
 def default_coeffs_dir() -> Path:
-    """coeffs/ of the source checkout when running from one, else ./coeffs."""
-    if (_PACKAGE_ROOT / "pyproject.toml").exists() and (_PACKAGE_ROOT / "coeffs").is_dir():
-        return _PACKAGE_ROOT / "coeffs"
-    return Path.cwd() / "coeffs"
+    """Where a fit is written without --out: coeffs/ of the source checkout when running from one (which
+    codegen reads), else the current folder (an installed package's files are not the user's to change)."""
+    return _PACKAGE_ROOT / "coeffs" if in_checkout() else Path.cwd()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -312,6 +317,9 @@ def _user_activation(args: argparse.Namespace):
     """With --expr: the user's activation, registered for this process (its spec entry); else None.
     UsageError for an expression that is not math, a shape InvAct cannot invert, or options that
     need a built-in."""
+    if args.codegen and not in_checkout():
+        raise UsageError("--codegen regenerates invact/_generated/ in a source checkout; outside one, fit "
+                         "your own activation with --expr and --emit (see invact-fit --help)")  # fmt: skip
     if args.expr is None:
         if args.emit:
             raise UsageError("--emit writes the runtime module of your own activation: give it with --expr")

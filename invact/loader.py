@@ -17,11 +17,15 @@ from pathlib import Path
 from invact.activations import Activation, register
 from invact.modules import InvAct
 
-EMITTED_FORMAT = 1  # the layout codegen.emitted.render_emitted prints
-# What the runtime reads from an emitted module: the torch, numba and Triton views and the constants.
+EMITTED_FORMAT = 2  # the layout codegen.emitted.render_emitted prints
+# Formats this loader reads: 1 differs only in importing numba unconditionally (its numba view is there).
+_READS = (1, 2)
+# What the runtime reads from an emitted module: the torch and Triton views and the constants; the
+# numba view's scalar functions where the module imported numba.
 _REQUIRED = ("ACTIVATION", "MODULE_CLASS", "FAMILY", "MONOTONE", "THRESHOLD", "Y_MIN", "torch_forward", "f64",
-             "df64", "q_right", "q_right_scalar", "triton_forward", "triton_q_right")  # fmt: skip
-_BRANCHED = ("q_left", "q_left_scalar", "triton_q_left")  # also required unless MONOTONE
+             "df64", "q_right", "triton_forward", "triton_q_right")  # fmt: skip
+_BRANCHED = ("q_left", "triton_q_left")  # also required unless MONOTONE
+_NUMBA_VIEW = {"right": "q_right_scalar", "left": "q_left_scalar"}  # where numba is installed
 _LOADED: dict[tuple[Path, str], type[InvAct]] = {}  # (resolved path, sha256 of its bytes) -> class
 
 
@@ -80,9 +84,12 @@ def _import(path: Path, digest: str):
 
 def _check(module, path: Path) -> None:
     """ValueError unless the module is in the format render_emitted prints."""
-    if getattr(module, "EMITTED_FORMAT", None) != EMITTED_FORMAT:
+    if getattr(module, "EMITTED_FORMAT", None) not in _READS:
         raise ValueError(f"{path}: not a module printed by invact-fit --emit (format {EMITTED_FORMAT})")
-    missing = [n for n in _REQUIRED + (() if module.MONOTONE else _BRANCHED) if not hasattr(module, n)]
+    required = _REQUIRED + (() if module.MONOTONE else _BRANCHED)
+    if getattr(module, "numba", None) is not None:
+        required += tuple(_NUMBA_VIEW[b] for b in (("right",) if module.MONOTONE else ("right", "left")))
+    missing = [n for n in required if not hasattr(module, n)]
     if missing:
         raise ValueError(f"{path}: an emitted module lacks {', '.join(missing)}")
     if not (isinstance(module.ACTIVATION, str) and module.ACTIVATION.isidentifier()):

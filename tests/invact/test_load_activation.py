@@ -1,6 +1,9 @@
 """A user-defined activation, made up here (not a built-in), from `invact-fit NAME --expr` to a
 training step through invact.load_activation: no file of the package changes on the way."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -92,6 +95,30 @@ def test_gradient_bound_over_many_inputs(act_class):
     torch.manual_seed(1)
     x, dy = torch.randn(2**16) * 4, torch.randn(2**16)
     assert _gradient_error(act_class(), x, dy).max().item() <= _fp32_bound(NAME)
+
+
+def test_loads_and_trains_without_numba(act_class, emitted, tmp_path):
+    """torch and the toolkit but no numba: the module loads without its numba view, and invact's
+    portable CPU backward gives gradients within the same bound."""
+    out = tmp_path / "gradient.pt"
+    child = f"""
+import sys
+sys.modules["numba"] = None  # `import numba` raises ImportError from here on
+import torch, invact
+cls = invact.load_activation({str(emitted)!r})
+module = sys.modules[cls.__module__]
+assert module.numba is None and not hasattr(module, "q_right_scalar")
+torch.manual_seed(1)
+x, dy = (torch.randn(2**12) * 4).requires_grad_(), torch.randn(2**12)
+cls()(x).backward(dy)
+torch.save((x.detach(), dy, x.grad), {str(out)!r})
+"""
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    x, dy, dx = torch.load(out)
+    df = ACTIVATIONS[NAME].df(x.double())
+    err = (dx.double() / dy.double() - df).abs() - FP32_Q_ROUNDING * df.abs().clamp_min(1)
+    assert err.max().item() <= _fp32_bound(NAME)
 
 
 def test_gradcheck_float64(act_class):
