@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         type=Path,
-        help="where to write the JSON (default: coeffs/<activation>/<family>.json; with --expr "
-        "<activation>.json in the current folder)",
+        help="where to write the JSON (default: coeffs/<activation>/<family>.json of the checkout, or "
+        "<activation>/<family>.json in the current folder outside one; with --expr <activation>.json in "
+        "the current folder)",
     )
     parser.add_argument(
         "--plot",
@@ -154,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--codegen",
         action="store_true",
         help="then regenerate invact/_generated/ (python -m codegen) from coeffs/defaults.json's families; "
-        "an activation not in defaults.json yet is added with this family (a new spec entry's one step)",
+        "an activation not in defaults.json yet is added with this family (a new spec entry's one step). "
+        "In a source checkout only",
     )
     return parser
 
