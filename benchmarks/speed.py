@@ -14,27 +14,48 @@ paper's (for a GPU), cpu is scaled down for a 2-core machine, --small is a smoke
 reports the bandwidth of the bare Triton kernels, and per row the time the GPU itself is busy per
 step (profiler), torch against InvAct bits, which leaves out time the GPU waits for the host. Writes
 benchmarks/results/speed_<device>.json and prints a markdown table.
+
+Every row also carries the FLOPs of its step and a lower bound of the bytes it moves (step_costs: the
+timed step run on the meta device), and the TFLOP/s and GB/s each of its times implies. On CUDA a row
+above the device's datasheet peak (physics.py), or whose CUDA-event times the synchronized wall clock
+or the profiler contradicts, is refused: exit status 1, one line per error, nothing written. This
+exists because the first H100 run's "BERT-base (batch 64, seq 1024)" row timed batch 1, seq 512 (a
+lambda in setups() read b and s after the Llama row rebound them) and reported 1.3 PFLOP/s in fp32;
+rows now declare their input shapes and measure_row checks them.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+from physics import (
+    DevicePeak,
+    StepCount,
+    device_peak,
+    forward_read_parameters,
+    fp32_matmul_mode,
+    peak_note,
+    rates,
+    row_violations,
+    timing_violations,
+)
 from torch import nn
 
 import invact
 from invact.activations import ACTIVATIONS
 
-from timing import device_busy_ms, device_name, median_ms, timer, version, write_result
+from timing import device_busy_ms, device_name, median_ms, timer, version, wall_ms, write_result
 from tune import kernel_bandwidth
 
 # (elements of the bare activation, tokens x width of the Linear/MLP/GeGLU rows, BERT batch x seq x
@@ -76,19 +97,44 @@ class GeGLU(nn.Module):
         return self.act(gate) * up
 
 
-def setups(preset: dict, small: bool) -> list[tuple[str, Callable[[], nn.Module], Callable[[], dict]]]:
-    """(row name, model factory, input factory); inputs are keyword arguments of the model."""
+class Setup(NamedTuple):
+    """A row of the table: its name, model factory, input factory (keyword arguments of the model), and
+    the input shapes its name states, fixed where the row is declared; measure_row checks the inputs
+    the factory makes against them before timing anything."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_inputs: Callable[[], dict]
+    shapes: dict[str, tuple[int, ...]]
+
+
+def _floats(shape: tuple[int, ...]) -> Callable[[], dict]:
+    """A factory of a random float `input` of `shape`, the shape bound now. A lambda written in
+    setups() over its local names would read them when called, after they were rebound: that is how
+    the first H100 run's "BERT-base (batch 64, seq 1024)" row timed the Llama row's batch 1, seq 512."""
+    return lambda: {"input": torch.randn(shape)}
+
+
+def _token_ids(shape: tuple[int, ...]) -> Callable[[], dict]:
+    """A factory of random `input_ids` of `shape` (ids below 1000), the shape bound now (see _floats)."""
+    return lambda: {"input_ids": torch.randint(0, 1000, shape)}
+
+
+def setups(preset: dict, small: bool) -> list[Setup]:
+    """The rows of the table, in order, for a preset's sizes."""
     n, t, w = preset["elements"], preset["tokens"], preset["width"]
     rows = []
     for name, make in TORCH_ACTIVATIONS.items():
         model = lambda make=make: nn.Sequential(make())  # noqa: E731 - patch() replaces children
-        rows.append((f"{name} ({n} elements)", model, lambda n=n: {"input": torch.randn(n)}))
-    tokens = lambda: {"input": torch.randn(t, w)}  # noqa: E731
+        rows.append(Setup(f"{name} ({n} elements)", model, _floats((n,)), {"input": (n,)}))
+    tokens = {"input": (t, w)}
     rows += [
-        (f"Linear+GELU ({t} x {w})", lambda: nn.Sequential(nn.Linear(w, w), nn.GELU()), tokens),
-        (f"MLP ({t}, {w} -> {4 * w} -> {w})", lambda: nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(),
-                                                                     nn.Linear(4 * w, w)), tokens),
-        (f"GeGLU ({t}, {w} -> {4 * w})", lambda: GeGLU(w, 4 * w), tokens),
+        Setup(f"Linear+GELU ({t} x {w})", lambda w=w: nn.Sequential(nn.Linear(w, w), nn.GELU()),
+              _floats((t, w)), tokens),
+        Setup(f"MLP ({t}, {w} -> {4 * w} -> {w})", lambda w=w: nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(),
+                                                                              nn.Linear(4 * w, w)),
+              _floats((t, w)), tokens),
+        Setup(f"GeGLU ({t}, {w} -> {4 * w})", lambda w=w: GeGLU(w, 4 * w), _floats((t, w)), tokens),
     ]  # fmt: skip
     try:
         import transformers
@@ -99,22 +145,34 @@ def setups(preset: dict, small: bool) -> list[tuple[str, Callable[[], nn.Module]
     bert_config = dict(
         num_hidden_layers=layers, max_position_embeddings=s, attn_implementation="sdpa", **bert
     )
-    rows.append((
+    rows.append(Setup(
         f"BERT-base (batch {b}, seq {s}, {layers} layers)",
-        lambda: transformers.BertModel(transformers.BertConfig(**bert_config)),
-        lambda: {"input_ids": torch.randint(0, 1000, (b, s))},
+        lambda config=bert_config: transformers.BertModel(transformers.BertConfig(**config)),
+        _token_ids((b, s)), {"input_ids": (b, s)},
     ))  # fmt: skip
-    b, s, layers = preset["llama"]
+    b, s, layers = preset["llama"]  # rebinds b, s, layers: every factory above has bound its own
     llama = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
     if small:
         llama = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    rows.append((
+    llama_config = dict(num_hidden_layers=layers, vocab_size=32000, attn_implementation="sdpa", **llama)
+    rows.append(Setup(
         f"Llama-3.1-8B-shaped (batch {b}, seq {s}, {layers} layers)",
-        lambda: transformers.LlamaModel(transformers.LlamaConfig(num_hidden_layers=layers, vocab_size=32000,
-                                                                 attn_implementation="sdpa", **llama)),
-        lambda: {"input_ids": torch.randint(0, 1000, (b, s))},
+        lambda config=llama_config: transformers.LlamaModel(transformers.LlamaConfig(**config)),
+        _token_ids((b, s)), {"input_ids": (b, s)},
     ))  # fmt: skip
     return rows
+
+
+class BenchmarkError(RuntimeError):
+    """A row that would not time what it names: main prints it in one line and writes nothing."""
+
+
+def check_inputs(setup: Setup, inputs: dict) -> None:
+    """Raise BenchmarkError unless the factory's inputs have the shapes the row's name states."""
+    actual = {k: tuple(v.shape) for k, v in inputs.items()}
+    if actual != {k: tuple(v) for k, v in setup.shapes.items()}:
+        raise BenchmarkError(f"{setup.name}: its input factory makes {actual}, its name states "
+                             f"{setup.shapes}: the row would time another setup")  # fmt: skip
 
 
 def _step(model: nn.Module, inputs: dict) -> Callable[[], None]:
@@ -122,18 +180,28 @@ def _step(model: nn.Module, inputs: dict) -> Callable[[], None]:
     dy is drawn once (seeded) and reused, so no loss computation dilutes the ratio. Gradients are
     zeroed in place, not freed: on CPU a freed gradient is allocated again, and the page faults of
     refilling hundreds of fresh MB (the embedding's gradient in the Llama row) took 130 to 670 ms per
-    step from one step to the next, the same work for every variant."""
+    step from one step to the next, the same work for every variant.
+
+    The returned step has two attributes: `model`, and `probe`, None while timing; where set (the
+    warm-up's last call, the count on the meta device), probe(kwargs, out, dy) is called after the
+    backward and before the gradients are zeroed, to see what the step read, wrote and reached."""
     dy: list[torch.Tensor] = []
 
     def step():
         kwargs = {k: v.detach().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
         out = model(**kwargs) if "input" not in kwargs else model(kwargs["input"])
         out = getattr(out, "last_hidden_state", out)
-        if not dy:
-            dy.append(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        if not dy:  # on the meta device (counting) there is nothing to draw
+            seeded = torch.Generator().manual_seed(1)
+            dy.append(
+                torch.empty_like(out) if out.is_meta else torch.randn(out.shape, generator=seeded).to(out)
+            )
         out.backward(dy[0])
+        if step.probe is not None:
+            step.probe(kwargs, out, dy[0])
         model.zero_grad(set_to_none=False)
 
+    step.model, step.probe = model, None
     return step
 
 
@@ -178,13 +246,105 @@ def allocator() -> str:
 
 
 GPU_BUSY_CALLS = 5  # steps profiled per variant for the GPU's busy time (CUDA only)
+# Steps per variant timed back to back between two synchronizations (CUDA only): the wall-clock check
+# of the events' medians (physics.timing_violations). Few: the paper's fp32 BERT step takes about a
+# second (4.1e13 FLOPs at the fp32 peak's 67 TFLOP/s is 0.61 s).
+WALL_CALLS = 3
+
+# Each timing key of a row, and the variant whose minimum bytes it moves (step_costs): torch.compile may
+# recompute what eager saves, so its bound counts no saved tensors.
+BYTES_OF = {"torch_ms": "torch", "invact_ms": "invact", "precision_bit_ms": "precision_bit",
+            "compile_ms": "compile", "invact_compile_ms": "compile", "torch_gpu_ms": "torch",
+            "invact_gpu_ms": "invact"}  # fmt: skip
 
 
-def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_model) -> dict:
+def _count(model: nn.Module, inputs: dict) -> tuple[int, int, int]:
+    """(FLOPs, minimum bytes, minimum bytes without saved tensors) of one _step on `model` and
+    `inputs` (meta device): the second call, the one like every timed call, checked equal in FLOPs to
+    the first (a step whose work shrinks after its first call, a cache, would show)."""
+    step, seen = _step(model, inputs), {}
+
+    def probe(kwargs, out, dy):
+        grads = [v.grad for v in (*kwargs.values(), *model.parameters()) if v.grad is not None]
+        seen.update(reads=[*kwargs.values(), dy, *forward_read_parameters(model)], writes=[out, *grads])
+
+    step.probe = probe
+    with StepCount() as first:
+        step()
+    with StepCount() as count:
+        step()
+    if count.flops != first.flops:
+        raise BenchmarkError(f"a step counts {count.flops:.4g} FLOPs after a first of {first.flops:.4g}")
+    return count.flops, count.minimum_bytes(**seen), count.minimum_bytes(**seen, saved=False)
+
+
+def step_costs(setup: Setup, dtype: torch.dtype = torch.float32) -> dict:
+    """FLOPs and minimum bytes of one timed step: counted once per setup, on the meta device (shapes
+    only, no arithmetic: the paper's BERT row counts in seconds on a CPU), by running the very _step
+    that is timed on a model and inputs from the row's own factories, so what is counted is what runs
+    (a tiny run scaled up would trust a scaling formula instead). One FLOP count serves every
+    variant: FlopCounterMode counts matmuls and attention, InvAct changes only the elementwise
+    activations (checked: its models count the same), and torch.compile's partitioner does not
+    recompute matmuls. Bytes (StepCount.minimum_bytes) differ: what each variant saves; for the bare
+    activations that is exactly what the kernels move (torch: 5 element sizes per element; InvAct bits
+    5 plus 1/4 byte)."""
+    with torch.device("meta"):
+        model = setup.make_model().to(dtype).train()
+        inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in setup.make_inputs().items()}
+    check_inputs(setup, inputs)
+    flops, min_bytes = {}, {}
+    for variant, mode in (("torch", None), ("invact", "bits"), ("precision_bit", "precision_bit")):
+        flops[variant], min_bytes[variant], unsaved = _count(
+            model if mode is None else _invact_copy(model, mode), inputs
+        )
+        if mode is None:
+            min_bytes["compile"] = unsaved
+    if len(set(flops.values())) > 1:
+        raise BenchmarkError(f"{setup.name}: FLOPs differ between variants: {flops}")
+    return {"flops": flops["torch"], "min_bytes": min_bytes}
+
+
+def figures(row: dict) -> dict[str, tuple[float, float, float]]:
+    """{timing key: (ms, FLOPs, minimum bytes)} of a measured row, for physics.row_violations."""
+    return {k: (row[k], row["flops"], row["min_bytes"][v]) for k, v in BYTES_OF.items() if k in row}
+
+
+def _check_training(name: str, key: str, model: nn.Module) -> None:
+    """Raise BenchmarkError if any module of the model is in eval mode (dropout off: not the training
+    step the row names)."""
+    frozen = next((n or "the model" for n, m in model.named_modules() if not m.training), None)
+    if frozen is not None:
+        raise BenchmarkError(f"{name}: {key} runs {frozen} in eval mode, not the training step it names")
+
+
+def _backward_probe(name: str, key: str, model: nn.Module):
+    """A _step probe that raises BenchmarkError unless the step's backward reached the float inputs
+    and the model's first parameter (the bottom of the network: embeddings, the first Linear), with a
+    gradient not all zero. The gradients were zeroed in place by the call before, so a nonzero one was
+    written by this call's backward, and reading it (a synchronization on CUDA) sees the finished
+    backward, not one still queued."""
+    first = next((p for p in model.parameters() if p.requires_grad), None)
+
+    def probe(kwargs, out, dy):
+        targets = [(f"input {k!r}", v) for k, v in kwargs.items() if v.requires_grad]
+        targets += [("first parameter", first)] if first is not None else []
+        for what, t in targets:
+            if t.grad is None or not bool(t.grad.ne(0).any()):
+                raise BenchmarkError(f"{name}: {key}'s step left its {what} without a gradient: its "
+                                     f"backward did not run through the model")  # fmt: skip
+
+    return probe
+
+
+def measure_row(setup: Setup, device, dtype, repeats, compile_model) -> dict:
+    name = setup.name
+    costs = step_costs(setup, dtype)  # on the meta device, before anything is timed
     torch.manual_seed(0)
-    model = make_model().to(device=device, dtype=dtype).train()
+    model = setup.make_model().to(device=device, dtype=dtype).train()
+    cpu_inputs = setup.make_inputs()
+    check_inputs(setup, cpu_inputs)
     inputs = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
-              for k, v in make_inputs().items()}  # fmt: skip
+              for k, v in cpu_inputs.items()}  # fmt: skip
     variants = {
         "torch_ms": _step(model, inputs),
         "invact_ms": _step(_invact_copy(model, "bits"), inputs),
@@ -194,9 +354,13 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         variants["compile_ms"] = _step(torch.compile(copy.deepcopy(model)), inputs)
         variants["invact_compile_ms"] = _step(torch.compile(_invact_copy(model, "bits")), inputs)
     clock = timer(device)
-    for step in variants.values():  # warm-up: compilation (numba, Triton, inductor), allocator
+    for key, step in variants.items():  # warm-up: compilation (numba, Triton, inductor), allocator
+        _check_training(name, key, step.model)
         step()
+        step.probe = _backward_probe(name, key, step.model)  # the same step as timed, checked once
         step()
+        step.probe = None
+    timed = dict(variants)
     times = {k: [] for k in variants}
     usage = {k: [] for k in variants}  # CPU: (page faults, system ms) per step
     if device == "cpu":
@@ -206,6 +370,7 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         for k in order[round_ % len(order) :] + order[: round_ % len(order)]:
             times[k].append(clock(variants[k]))
     row = {"name": name, **{k: median_ms(v) for k, v in times.items()}}
+    row["input_shapes"] = {k: list(v.shape) for k, v in inputs.items()}
     for k, counts in usage.items():
         if counts:
             label = k.removesuffix("_ms")
@@ -222,9 +387,46 @@ def measure_row(name, make_model, make_inputs, device, dtype, repeats, compile_m
         row[ratio], row[f"{ratio}_quartiles"] = median, [q1, q3]
     if device == "cuda":  # the GPU's own time per step, without time it waits for the host
         for variant in ("torch", "invact"):
-            row[f"{variant}_gpu_ms"] = device_busy_ms(variants[f"{variant}_ms"], GPU_BUSY_CALLS, device)
+            row[f"{variant}_gpu_ms"] = device_busy_ms(timed[f"{variant}_ms"], GPU_BUSY_CALLS, device)
         row["invact_gpu_ratio"] = row["invact_gpu_ms"] / row["torch_gpu_ms"]
+        for k, step in timed.items():  # what the events must not fall far below (check_result)
+            row[f"{k.removesuffix('_ms')}_wall_ms"] = wall_ms(step, WALL_CALLS, device)
+    row.update(costs)
+    achieved = {k: rates(*fig[1:], fig[0]) for k, fig in figures(row).items()}
+    row["tflops"] = {k: tflops for k, (tflops, _) in achieved.items()}
+    row["gbps"] = {k: gbps for k, (_, gbps) in achieved.items()}
     return row
+
+
+def check_result(result: dict, peak: DevicePeak | None) -> list[str]:
+    """One-line errors for every row of `result` that cannot be right: CUDA-event medians far below the
+    synchronized wall clock or the profiler's busy time of the same step (work outside the events),
+    and, where the device's peak is known (`peak`), figures above it (physics.row_violations, with the
+    run's dtype and fp32 matmul mode). Pure: reads only `result`."""
+    errors = []
+    fp32_matmul = result.get("physics", {}).get("fp32_matmul", "ieee")
+    for row in result["rows"]:
+        if "error" in row:
+            continue
+        wall = {k: row[f"{k[:-3]}_wall_ms"] for k in BYTES_OF if f"{k[:-3]}_wall_ms" in row}
+        errors += timing_violations(row["name"], row, wall, "the wall clock of synchronized steps")
+        busy = {f"{v}_ms": row[f"{v}_gpu_ms"] for v in ("torch", "invact") if f"{v}_gpu_ms" in row}
+        errors += timing_violations(row["name"], row, busy, "the profiler's device-busy time")
+        if peak is not None:
+            errors += row_violations(row["name"], figures(row), peak, result["dtype"], fp32_matmul)
+    return errors
+
+
+def finish(result: dict, peak: DevicePeak | None, device: str, out: Path | None) -> int:
+    """Write `result` (atomically) unless check_result finds an error; then print each error in one
+    line and return 1, writing nothing."""
+    errors = check_result(result, peak)
+    for error in errors:
+        print(f"speed.py: refusing to write the results: {error}", file=sys.stderr)
+    if errors:
+        return 1
+    write_result(result, "speed", device, result["dtype"], out)
+    return 0
 
 
 # Fresh interpreters timed with warm caches; their median is reported. One such run on a shared 2-core
@@ -374,8 +576,18 @@ def _cpu_rounds(
     return {k: np.array([t() for t in v]) for k, v in times.items()}
 
 
+EPILOG = """Each row also reports the FLOPs of its step (torch.utils.flop_counter, counted on the meta
+device), a lower bound of the bytes it moves, and the TFLOP/s and GB/s its times imply. On CUDA the
+script refuses to write (exit status 1, one line per error on stderr) a row above the device's
+datasheet peak (physics.DATASHEET_PEAKS: H100, H200, A100; fp32, TF32 where enabled, bf16/fp16, HBM),
+or whose CUDA-event times fall far below the synchronized wall clock or the profiler's busy time of
+the same step; an unknown device is not checked, and the output says so. Before timing, each row's
+inputs must have the shapes its name states, every variant must be in training mode, and its
+backward must reach the inputs and the first parameter."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG)
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -401,20 +613,27 @@ def main(argv: list[str] | None = None) -> int:
     compile_model = compile_model and not (args.small and args.compile is None)
     dtype = getattr(torch, args.dtype)
     rows = []
-    for name, make_model, make_inputs in setups(preset, args.small):
-        if args.only and not any(w.lower() in name.lower() for w in args.only):
+    for setup in setups(preset, args.small):
+        if args.only and not any(w.lower() in setup.name.lower() for w in args.only):
             continue
         try:
-            row = measure_row(name, make_model, make_inputs, args.device, dtype, repeats, compile_model)
+            row = measure_row(setup, args.device, dtype, repeats, compile_model)
         except torch.OutOfMemoryError as e:  # a row too big for this device: say so, keep the others
-            row = {"name": name, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            row = {"name": setup.name, "error": f"out of memory: {str(e).splitlines()[0]}"}
             gc.collect()
             torch.cuda.empty_cache()
+        except BenchmarkError as e:  # a row that would not time what it names: nothing is written
+            print(f"speed.py: {e}", file=sys.stderr)
+            return 1
         rows.append(row)
-        print(f"measured {name}", flush=True)
+        print(f"measured {setup.name}", flush=True)
     if not rows:
         parser.error(f"--only {args.only} matched no row")
     cache_bytes = last_level_cache_bytes() if args.device == "cpu" else None
+    peak = device_peak(torch.cuda.get_device_name()) if args.device == "cuda" else None
+    fp32_matmul = fp32_matmul_mode()
+    note = (peak_note(device_name(args.device), peak, args.dtype, fp32_matmul) if args.device == "cuda" else
+            "CPU: rows not checked against a peak (no datasheet table for CPUs)")  # fmt: skip
     result = {
         "device": device_name(args.device),
         "torch": torch.__version__,
@@ -431,16 +650,17 @@ def main(argv: list[str] | None = None) -> int:
             "compile": compile_model,
         },
         "first_call_s": first_call_seconds(args.device),
+        "physics": {"peak": dataclasses.asdict(peak) if peak else None, "fp32_matmul": fp32_matmul,
+                    "note": note},
         "rows": rows,
-    }
+    }  # fmt: skip
     if args.device == "cpu" and not args.only:
         rounds = repeats if args.small else max(repeats, BANDWIDTH_ROUNDS)
         result["cpu_backward"] = cpu_backward_bandwidth(preset["elements"], rounds, cache_bytes)
     if args.device == "cuda":
         result["kernel_bandwidth"] = kernel_bandwidth(dtype, preset["elements"], repeats)
     print(markdown(result))
-    write_result(result, "speed", args.device, args.dtype, args.out)
-    return 0
+    return finish(result, peak, args.device, args.out)
 
 
 def markdown(result: dict) -> str:
@@ -498,6 +718,21 @@ def markdown(result: dict) -> str:
             pass_ms = f"{r['same_bytes_from_memory_ms']:.2f} ({r['same_bytes_from_memory_gbps']:.0f} GB/s)"
             lines.append(f"| {r['activation']} | {pass_ms} | {r['kernel_from_memory_ms']:.2f} | "
                          f"{r['kernel_ratio_from_memory']:.2f}x |")  # fmt: skip
+    costed = [r for r in result["rows"] if "tflops" in r]
+    if costed:  # what each time implies: FlopCounterMode FLOPs and a lower bound of bytes per step
+        labels = {"torch_ms": "torch", "invact_ms": "InvAct bits", "precision_bit_ms": "precision-bit",
+                  "compile_ms": "torch.compile", "invact_compile_ms": "InvAct + torch.compile",
+                  "torch_gpu_ms": "torch, GPU busy", "invact_gpu_ms": "InvAct bits, GPU busy"}  # fmt: skip
+        keys = [k for k in labels if k in costed[0]["tflops"]]
+        head = ["setup", "GFLOP per step", "MB per step, torch (at least)"]
+        head += [f"{labels[k]}: TFLOP/s, GB/s" for k in keys]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in costed:
+            cells = [r["name"], f"{r['flops'] / 1e9:.4g}", f"{r['min_bytes']['torch'] / 1e6:.4g}"]
+            cells += [f"{r['tflops'][k]:.3g}, {r['gbps'][k]:.3g}" for k in keys]
+            lines.append("| " + " | ".join(cells) + " |")
+    if "physics" in result:
+        lines.append(f"\n{result['physics']['note']}")
     if "kernel_bandwidth" in result:
         bw = result["kernel_bandwidth"]
         rates = f"forward {bw['forward_gbps']:.0f} GB/s, backward {bw['backward_gbps']:.0f} GB/s"

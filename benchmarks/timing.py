@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-# Datasheet memory bandwidth, GB/s, by a substring of torch.cuda.get_device_name() (NVIDIA's H100,
-# H200 and A100 datasheets).
-PEAK_GBPS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "A100-SXM4-80GB": 2039.0}
 
 
 def timer(device: str) -> Callable[[Callable[[], None]], Callable[[], float]]:
@@ -23,7 +21,11 @@ def timer(device: str) -> Callable[[Callable[[], None]], Callable[[], float]]:
     CUDA: events recorded around the call with no synchronization between calls (as
     triton.testing.do_bench times), so the host queues work ahead as it does in training and its own
     per-call latency shows only where it, not the GPU, is the bottleneck; median_ms synchronizes
-    before reading them. CPU: perf_counter around the call."""
+    before reading them. CPU: perf_counter around the call.
+
+    What the events can miss: they time the current stream only, so work fn leaves on another stream,
+    or queues after returning, falls outside them. speed.py therefore checks each median against
+    wall_ms (synchronized wall clock) and device_busy_ms (the profiler, every stream)."""
     if device == "cuda":
 
         def run(fn):
@@ -59,6 +61,18 @@ def device_busy_ms(fn: Callable[[], None], calls: int, device: str) -> float:
             torch.cuda.synchronize()
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
     return sum(getattr(event, attribute) for event in prof.key_averages()) / calls / 1e3  # us -> ms
+
+
+def wall_ms(fn: Callable[[], None], calls: int, device: str) -> float:
+    """Wall-clock milliseconds per call of `calls` back-to-back calls, with the device synchronized
+    before and after: nothing fn starts, on any stream, can finish outside it."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / calls
 
 
 def median_ms(timings: list[Callable[[], float]]) -> float:
@@ -106,8 +120,11 @@ def version(module: str) -> str | None:
 
 
 def peak_gbps() -> float | None:
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_GBPS.items() if k in name), None)
+    """The datasheet HBM bandwidth of this CUDA device (physics.DATASHEET_PEAKS); None if unknown."""
+    from physics import device_peak
+
+    peak = device_peak(torch.cuda.get_device_name())
+    return peak.hbm_gbps if peak else None
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -117,10 +134,14 @@ def write_result(
     result: dict, kind: str, device: str, dtype: str | None = None, out: Path | None = None
 ) -> Path:
     """Write `result` as JSON to `out`, default results/<kind>_<device slug>[_<dtype>].json (float32, the
-    default dtype, gets no suffix), and say where."""
+    default dtype, gets no suffix), and say where. Atomic: a temporary file in the same folder renamed
+    over `out`, so a run that dies while writing leaves the previous result whole."""
     suffix = "" if dtype in (None, "float32") else f"_{dtype}"
     out = out or RESULTS / f"{kind}_{device_slug(device)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    text = json.dumps(result, indent=2) + "\n"
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, prefix=f".{out.name}.", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, out)
     print(f"\nwritten to {out}")
     return out

@@ -56,7 +56,11 @@ def test_train_memory_small_cpu_run(tmp_path):
     for r in rows:
         assert r["replaced"] > 0 and r["saved_drop"] > 0  # patching saved memory, in every model
         assert r["invact"]["peak_bytes"] is None  # peak memory is CUDA's alone
-    assert "| GPT-2 |" in proc.stdout
+        assert r["flops"] > 0 and r["min_bytes"]["torch"] > r["min_bytes"]["invact"] > 0
+        for variant in ("torch", "invact"):  # each step timed, with the rates it implies
+            step = r[variant]
+            assert step["step_ms"] > 0 and step["tflops"] == r["flops"] / step["step_ms"] / 1e9
+    assert "| GPT-2 |" in proc.stdout and "steps not checked against a peak" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")

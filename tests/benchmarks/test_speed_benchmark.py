@@ -24,6 +24,15 @@ def test_small_cpu_run(tmp_path):
         assert any(name.startswith(setup) for name in names), setup
     for row in data["rows"]:
         assert row["torch_ms"] > 0 and row["invact_ms"] > 0 and row["precision_bit_ms"] > 0
+        # what each time implies (benchmarks/physics.py): FLOPs and a lower bound of bytes per step
+        assert row["flops"] >= 0 and row["min_bytes"]["torch"] > 0 and row["input_shapes"]
+        assert set(row["tflops"]) == set(row["gbps"]) == {"torch_ms", "invact_ms", "precision_bit_ms"}
+        assert row["gbps"]["torch_ms"] == pytest.approx(row["min_bytes"]["torch"] / row["torch_ms"] / 1e6)
+    linear = next(row for row in data["rows"] if row["name"] == "Linear+GELU (64 x 32)")
+    assert linear["flops"] == 3 * 2 * 64 * 32 * 32  # forward, and backward's dx and dW products
+    assert linear["tflops"]["invact_ms"] == pytest.approx(linear["flops"] / linear["invact_ms"] / 1e9)
+    assert data["physics"]["peak"] is None and "not checked" in data["physics"]["note"]
+    assert "| torch: TFLOP/s, GB/s |" in proc.stdout and "rows not checked against a peak" in proc.stdout
     assert "| GeGLU (64, 32 -> 128) |" in proc.stdout
     assert all(row["torch_page_faults"] >= 0 and row["invact_system_ms"] >= 0 for row in data["rows"])
     assert "page faults per step" in proc.stdout and data["allocator"] in ALLOCATORS
