@@ -1,18 +1,28 @@
-"""Host time per call of torch's GELU and of InvAct's, layer by layer: microseconds of the host's clock
-per call over a small tensor (2^16 elements by default), so on a GPU the device never holds the host
-back and what is measured is the Python and dispatch cost a small layer waits for. Each figure is the
-median over rounds of the mean over `--calls` calls, after warm-up. Writes
-benchmarks/results/host_time_<device>.json and prints a markdown table.
+"""Host time per call of InvAct against torch: microseconds of the host's clock per forward + backward
+on tensors so small (batch 4 by default) that the kernels cost next to nothing, so what is measured is
+the Python and dispatch cost a small layer waits for (on a GPU the device never holds the host back).
+Writes benchmarks/results/host_time_<device>.json and prints markdown tables.
 
-Layers: the backend's bare forward and backward (invact.ops' bodies, kernels included), InvAct's
-forward through the module (autograd recording), and forward + backward(dy) with autograd's device
-threads on and off (on CUDA the engine runs backward on a per-device thread, and a Python backward
-must be handed to it).
+Setups, each InvAct against torch, forward + backward(dy):
+- a bare GELU (torch.nn.GELU against invact.InvActGELU) on a (batch, 16) leaf;
+- a GELU MLP, Linear(16, 64), GELU, Linear(64, 16), patched with invact.patch (which also hooks the
+  MLP for gated products, of which it holds none), and the same with patch(gated=False);
+- a SwiGLU MLP (Llama-style gate/up/down, 16 -> 32 -> 16, SiLU), patched with invact.patch, which
+  leaves the gated path on (invact.gated: the MLP's saved-tensor hooks recompute act(g) * u).
+Torch and InvAct alternate round by round (interleaved, the first of each pair alternating too), so
+drift in the machine's speed hits both; each figure is the median over rounds of the mean over
+`--calls` calls, after warm-up, and the ratio is InvAct's median over torch's.
+
+Layers (the original rows of this script, on `--elements` elements): the backend's bare forward and
+backward (invact.ops' bodies, kernels included), InvAct's forward through the module (autograd
+recording), and forward + backward(dy) with autograd's device threads on and off (on CUDA the engine
+runs backward on a per-device thread, and a Python backward must be handed to it).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -20,39 +30,119 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from timing import device_name, write_result
+from timing import cpu_model, device_name, write_result
+
+Step = Callable[[], object]
 
 
-def _per_call_us(fn: Callable[[], object], calls: int, rounds: int, sync: Callable[[], None]) -> float:
+def _mean_us(fn: Step, calls: int, sync: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _per_call_us(fn: Step, calls: int, rounds: int, sync: Callable[[], None]) -> float:
     for _ in range(max(calls // 10, 2)):  # warm-up: compilation, allocator, caches
         fn()
     sync()
-    means = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - t0) / calls * 1e6)
-        sync()
-    return statistics.median(means)
+    return statistics.median(_mean_us(fn, calls, sync) for _ in range(rounds))
 
 
-def measure(device: str, n: int, calls: int, rounds: int) -> list[dict]:
+def interleaved(pairs: dict[str, tuple[Step, Step]], calls: int, rounds: int, sync) -> list[dict]:
+    """Per setup (name -> (torch's step, InvAct's step)): the median per-call microseconds of each over
+    `rounds` rounds, the two timed one after the other in every round, in alternating order."""
+    for fns in pairs.values():
+        for fn in fns:
+            for _ in range(max(calls // 10, 2)):  # warm-up: numba's kernels, allocator, caches
+                fn()
+    sync()
+    samples = {name: ([], []) for name in pairs}
+    for r in range(rounds):
+        for name, fns in pairs.items():
+            for side in (0, 1) if r % 2 == 0 else (1, 0):
+                samples[name][side].append(_mean_us(fns[side], calls, sync))
+    rows = []
+    for name, (theirs, ours) in samples.items():
+        torch_us, invact_us = statistics.median(theirs), statistics.median(ours)
+        rows.append({
+            "setup": name,
+            "torch_us": torch_us,
+            "invact_us": invact_us,
+            "ratio": invact_us / torch_us,
+            # the same ratio per round, then its median: robust to drift within the run too
+            "paired_ratio": statistics.median(o / t for t, o in zip(theirs, ours, strict=True)),
+            "torch_rounds_us": theirs,
+            "invact_rounds_us": ours,
+        })  # fmt: skip
+    return rows
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: down(act(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def setups(device: str, batch: int) -> dict[str, tuple[Step, Step]]:
+    """name -> (torch's forward + backward, InvAct's), each a fresh step per call on fixed inputs."""
+    import invact
+
+    torch.manual_seed(0)
+    x, dy = torch.randn(batch, 16, device=device), torch.randn(batch, 16, device=device)
+
+    def leaf_step(module: nn.Module) -> Step:
+        return lambda: module(x.detach().requires_grad_()).backward(dy)
+
+    def model_step(model: nn.Module) -> Step:  # the parameters need grad, the input does not
+        return lambda: model(x).backward(dy)
+
+    gelu_mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(device)
+    swiglu = SwiGLU(16, 32).to(device)
+    patched = {}
+    for name, model, gated in (("gelu_mlp", gelu_mlp, True), ("gelu_mlp_plain", gelu_mlp, False),
+                               ("swiglu", swiglu, True)):  # fmt: skip
+        patched[name] = copy.deepcopy(model)
+        if not invact.patch(patched[name], gated=gated):
+            raise RuntimeError(f"invact.patch replaced nothing in the {name} setup")
+    # patch() hooks the module holding each activation (invact.gated) wherever it cannot tell,
+    # without example inputs, that it holds no gated product: the Sequential too, which holds none.
+    if not all(getattr(patched[n], "_invact_recompute_products", False) for n in ("gelu_mlp", "swiglu")):
+        raise RuntimeError("invact.patch did not hook the MLPs for their gated products")
+    mlp, gated = f"GELU MLP 16-64-16, batch {batch}", f"SwiGLU MLP 16-32-16, batch {batch}"
+    return {
+        f"GELU ({batch}, 16)": (leaf_step(nn.GELU()), leaf_step(invact.InvActGELU())),
+        mlp: (model_step(gelu_mlp), model_step(patched["gelu_mlp"])),
+        f"{mlp}, patch(gated=False)": (model_step(gelu_mlp), model_step(patched["gelu_mlp_plain"])),
+        f"{gated}, gated path": (model_step(swiglu), model_step(patched["swiglu"])),
+    }
+
+
+def layers(device: str, n: int, calls: int, rounds: int, sync) -> list[dict]:
     import invact
     from invact import ops
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     x = torch.randn(n, device=device)
     dy = torch.randn_like(x)
     leaf = x.clone().requires_grad_()
     y, bits = ops._forward_impl(x, "gelu", False)
-    ours, theirs = invact.InvActGELU(), torch.nn.GELU()
+    ours, theirs = invact.InvActGELU(), nn.GELU()
 
-    def step(module: torch.nn.Module) -> Callable[[], None]:
+    def step(module: nn.Module) -> Step:
         return lambda: module(x.detach().requires_grad_()).backward(dy)
 
-    layers = [
+    timed = [
         ("torch GELU forward, recording autograd", lambda: theirs(leaf)),
         ("InvAct GELU forward, recording autograd", lambda: ours(leaf)),
         ("InvAct backend forward alone", lambda: ops._forward_impl(x, "gelu", False)),
@@ -60,7 +150,7 @@ def measure(device: str, n: int, calls: int, rounds: int) -> list[dict]:
         ("torch GELU forward + backward", step(theirs)),
         ("InvAct GELU forward + backward", step(ours)),
     ]
-    rows = [{"layer": name, "us": _per_call_us(fn, calls, rounds, sync)} for name, fn in layers]
+    rows = [{"layer": name, "us": _per_call_us(fn, calls, rounds, sync)} for name, fn in timed]
     threaded = torch.autograd.is_multithreading_enabled()
     try:
         torch.autograd.set_multithreading_enabled(False)
@@ -77,24 +167,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device)
-    parser.add_argument("--elements", type=int, default=2**16, help="elements per call (default 2^16)")
+    parser.add_argument("--batch", type=int, default=4, help="rows of the setups' inputs (default 4)")
+    parser.add_argument("--elements", type=int, default=None,
+                        help="elements of the layer rows (default 2^16 on CUDA, 64 on CPU)")  # fmt: skip
     parser.add_argument("--calls", type=int, default=300, help="calls per round (default 300)")
-    parser.add_argument("--rounds", type=int, default=7, help="rounds; the median is reported (default 7)")
+    parser.add_argument("--rounds", type=int, default=21, help="rounds; the median is reported (default 21)")
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads (default 1)")
+    parser.add_argument("--small", action="store_true", help="a smoke run: 20 calls, 3 rounds")
     parser.add_argument("--out", default=None, help="JSON path (default results/host_time_<device>.json)")
     args = parser.parse_args(argv)
-    for name in ("elements", "calls", "rounds"):
+    if args.small:
+        args.calls, args.rounds = 20, 3
+    if args.elements is None:
+        args.elements = 2**16 if args.device == "cuda" else 64
+    for name in ("batch", "elements", "calls", "rounds", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
-    rows = measure(args.device, args.elements, args.calls, args.rounds)
+    torch.set_num_threads(args.threads)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    compared = interleaved(setups(args.device, args.batch), args.calls, args.rounds, sync)
+    rows = layers(args.device, args.elements, args.calls, args.rounds, sync)
     name = device_name(args.device)
-    print(f"\n{name}, GELU on {args.elements} fp32 elements, host microseconds per call\n")
+    print(f"\n{name}, torch {torch.__version__}: host microseconds per forward + backward, fp32, median of "
+          f"{args.rounds} interleaved rounds of {args.calls} calls\n")  # fmt: skip
+    print("| setup | torch us | InvAct us | InvAct / torch |\n|---|---|---|---|")
+    for row in compared:
+        print(f"| {row['setup']} | {row['torch_us']:.1f} | {row['invact_us']:.1f} | {row['ratio']:.2f} |")
+    print(f"\nLayer by layer, GELU on {args.elements} fp32 elements, host microseconds per call\n")
     print("| layer | us per call |\n|---|---|")
     for row in rows:
         print(f"| {row['layer']} | {row['us']:.1f} |")
-    result = {"device": name, "torch": torch.__version__, "elements": args.elements, "calls": args.calls,
-              "rounds": args.rounds, "rows": rows}  # fmt: skip
+    # torch's thread count as set, and as read after the run: a parallel region of numba's OpenMP layer
+    # can change it (measured: after torch.set_num_threads(1) and a parallel torch op, 2 after one)
+    result = {"device": name, "cpu": cpu_model(), "torch": torch.__version__, "threads": args.threads,
+              "torch_threads_after": torch.get_num_threads(), "batch": args.batch, "elements": args.elements,
+              "calls": args.calls, "rounds": args.rounds, "setups": compared, "rows": rows}  # fmt: skip
     write_result(result, "host_time", args.device, out=Path(args.out) if args.out else None)
     return 0
 

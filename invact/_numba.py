@@ -19,18 +19,49 @@ block that has an element past its split. Half-precision
 tensors are converted to fp32 around it (numba has no bf16). Every kernel is compiled with
 cache=True: the first call on a machine compiles them (about 5 s on a 2-core machine), later
 processes load them from numba's disk cache; benchmarks/speed.py reports both first calls.
+
+Up to SERIAL elements (one span) nothing runs in numba's parallel region: the backward calls the span
+function its parallel kernel would call once, and the forward's bits come from serial kernels here
+(_pack_less_one, _set_lsb_less_one; compiled on first use, 0.9 s on a 2-core Intel Xeon with numba's
+import) or, for the rarer layouts, numpy. The bits and dx are the same, bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import NamedTuple
 
 import torch
+
+try:
+    import numpy as np  # torch imports it already where it is installed
+except ImportError:  # numba needs numpy: without it this backend is never chosen (available())
+    np = None
 
 from invact import _bits, _portable
 from invact._layout import flat
 from invact.activations import Activation
+
+# Elements up to which every call here runs on the calling thread, without numba's parallel region:
+# the kernels' span (_SPAN in invact/_numba_kernels.py and in each numba view), so up to it a parallel
+# kernel runs one span on one thread anyway, and the serial call leaves out only the region's fork and
+# join. On a small tensor those cost more than the work, and more where the machine is busy: measured on
+# a 2-core Intel Xeon (AVX-512) while another process kept one core busy, one activation's backward
+# kernel on 64 elements took 5.9 us at best and 96 us at the median through the parallel kernel, 0.67 us
+# through its serial span function; after a region numba's OpenMP worker spins on the other core, so
+# torch's own ops in between slowed down too (torch's forward of that activation on 64 elements: 38 to
+# 98 us, against 10 us in a process that had run no region); and a region can set torch's thread
+# count (after torch.set_num_threads(1) and a parallel torch op, torch.get_num_threads() was 2 after
+# one region on 8 elements). numpy's packbits (the layouts that take it here) took as long as numba's
+# pack_less on one thread up to 2^16 elements (1.31 against 1.12 us at 64 elements, 8.29 against 8.57
+# at 2^16; NUMBA_NUM_THREADS=1).
+SERIAL = 2**16
+
+if np is not None:
+    _GATHER_BITS = np.uint64(0x0102040810204080)  # as in invact/_numba_kernels.py: see _pack_less_one
+    _TOP_BYTE = np.uint64(56)
+    _CLEAR_LSB = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
 
 
 @functools.cache
@@ -46,19 +77,69 @@ def _kernels():
     return _numba_kernels
 
 
+def _pack_less_one(x, threshold, out):  # pragma: no cover - runs compiled (_serial)
+    """out = the packed bits (LSB first) of x < threshold, on the calling thread: pack_less's work on
+    one span, spelled out here rather than inlined from invact/_numba_kernels.py (numba's disk cache
+    checks a function's own file only). The flags of the last byte's missing elements stay 0, and
+    eight flags (one uint64, little-endian) go into each byte by one multiply (see _GATHER_BITS in
+    invact/_numba_kernels.py)."""
+    padded = (x.size + 7) // 8
+    flags = np.zeros(8 * padded, dtype=np.uint8)
+    for i in range(x.size):
+        flags[i] = x[i] < threshold
+    words = flags.view(np.uint64)
+    for b in range(padded):
+        out[b] = np.uint8((words[b] * _GATHER_BITS) >> _TOP_BYTE)
+
+
+def _set_lsb_less_one(x, y_int, threshold):  # pragma: no cover - runs compiled (_serial)
+    """set_lsb_less (invact/_numba_kernels.py) on the calling thread."""
+    for i in range(x.size):
+        y_int[i] = (y_int[i] & _CLEAR_LSB) | np.int32(x[i] < threshold)
+
+
+class _Serial(NamedTuple):
+    pack_less: object
+    set_lsb_less: object
+
+
+_SERIAL_KERNELS: _Serial | None = None
+
+
+def _serial() -> _Serial:
+    """The forward's kernels for up to SERIAL elements, compiled on first use (cache=True: later
+    processes load them from numba's disk cache, as invact/_numba_kernels.py's). One numba call where
+    numpy took four (compare, packbits, from_numpy, clone): measured on a 2-core Intel Xeon inside a
+    SwiGLU MLP's forward + backward, InvAct's host time over torch's went from 37.6-39.5 us to
+    33.4-34.3 us (40.6 with the parallel kernels, 26.9 with no bits computed at all)."""
+    global _SERIAL_KERNELS
+    if _SERIAL_KERNELS is None:
+        import numba
+
+        jit = numba.njit(cache=True)
+        _SERIAL_KERNELS = _Serial(jit(_pack_less_one), jit(_set_lsb_less_one))
+    return _SERIAL_KERNELS
+
+
 def _words(flags):
     """The whole 8-byte words of a uint8 numpy array, as a uint64 view of the same memory."""
-    import numpy as np
-
     return flags[: flags.size // 8 * 8].view(np.uint64)
+
+
+def _packbits(less) -> torch.Tensor:
+    """The packed bits (LSB first, in C order) of a bool numpy array, as a flat uint8 tensor that
+    torch's allocator holds (the clone): a tensor over numpy's memory (torch.from_numpy) is invisible
+    to torch's memory accounting (the profiler's, which invact plan's tests compare with a real
+    forward). from_numpy then clone took 1.3 us, torch.empty then numpy's copyto 1.8 (measured on a
+    2-core Intel Xeon)."""
+    return torch.from_numpy(np.packbits(less, axis=None, bitorder="little")).clone()
 
 
 def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Precision-bit mode in one pass: y's lowest mantissa bit := x < threshold, in place, for flat
     contiguous float32 CPU tensors (the bool mask then two bitwise passes: three passes)."""
-    import numpy as np
-
-    _kernels().set_lsb_less(x.numpy(), y.view(torch.int32).numpy(), np.float32(threshold))
+    kernel = _serial().set_lsb_less if x.numel() <= SERIAL else _kernels().set_lsb_less
+    kernel(x.numpy(), y.view(torch.int32).numpy(), np.float32(threshold))
     return y
 
 
@@ -66,16 +147,17 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """The packed bits of x < threshold (LSB first) for a flat contiguous float32 CPU tensor, in one
     pass over x. The threshold is rounded to float32 first, as torch does when it compares with a
     Python float."""
-    import numpy as np
-
     out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-    _kernels().pack_less(x.numpy(), np.float32(threshold), out.numpy())
+    kernel = _serial().pack_less if x.numel() <= SERIAL else _kernels().pack_less
+    kernel(x.numpy(), np.float32(threshold), out.numpy())
     return out
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """The packed bits (LSB first) of a flat contiguous bool CPU tensor."""
     flags = mask.view(torch.uint8).numpy()
+    if flags.size <= SERIAL:  # numpy's packbits on this thread (SERIAL)
+        return _packbits(flags)
     out = torch.empty((flags.size + 7) // 8, dtype=torch.uint8)
     _kernels().pack_flags(flags, _words(flags), out.numpy())
     return out
@@ -106,16 +188,30 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
         return _portable.forward(act, x, precision_bit)
     y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
     if x.stride() == y.stride():
-        if precision_bit:  # y is ours: its lowest mantissa bit becomes the branch bit
+        if x.numel() <= SERIAL and x.is_contiguous():  # on this thread (SERIAL), x as it lies
+            x_flat = x.numpy(force=True).ravel()  # force: x may need grad (the array shares its memory)
+            if precision_bit:  # y is ours: its lowest mantissa bit becomes the branch bit
+                _serial().set_lsb_less(x_flat, y.numpy().view(np.int32).ravel(), act.threshold_f32)
+                return y, x.new_empty(0, dtype=torch.uint8)
+            out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
+            _serial().pack_less(x_flat, act.threshold_f32, out.numpy())
+            return y, out
+        if precision_bit:
             set_lsb_less_(flat(y), flat(x), act.threshold)
             return y, x.new_empty(0, dtype=torch.uint8)
         return y, pack_less(flat(x), act.threshold)
     rows = _rows(x) if y.is_contiguous() else None
     if rows is not None and (precision_bit or rows[3] % 8 == 0):  # a chunk of a fused projection
-        import numpy as np
-
         run, count, stride, cols = rows
         threshold = np.float32(act.threshold)  # as torch rounds a Python float it compares with
+        if x.numel() <= SERIAL:  # numpy's ops on this thread, on x's rows where they lie (SERIAL)
+            less = x.detach().view(count, cols).numpy() < threshold
+            if precision_bit:
+                y_int = y.numpy().view(np.int32).reshape(count, cols)
+                np.bitwise_and(y_int, np.int32(-2), out=y_int)
+                np.bitwise_or(y_int, less, out=y_int)
+                return y, x.new_empty(0, dtype=torch.uint8)
+            return y, _packbits(less)
         if precision_bit:
             y_int = y.view(torch.int32).view(-1).numpy()
             _kernels().set_lsb_less_rows(run.numpy(), count, stride, cols, y_int, threshold)
@@ -132,23 +228,62 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     return y, pack_mask(left)
 
 
+class Kernels(NamedTuple):
+    """An activation's backward kernels (its numba view's): `flags` (y, flags, dy, dx), or (y, dy, dx)
+    for a monotone activation, and `bits` (y, bits, dy, dx), each over all elements in parallel
+    spans; `span_flags` and `span_bits`, the serial functions these call on each span of `span`
+    elements, or None where the view has none (then `span` is 0 and the parallel kernels serve every
+    size; without span_bits the bits are unpacked by numpy for span_flags, as the polynomial kernel
+    unpacks them for its span function)."""
+
+    span: int
+    flags: object
+    bits: object
+    span_flags: object
+    span_bits: object
+
+
+def find_kernels(act: Activation) -> Kernels:
+    """The kernels of `act` (Activation.numba_kernels holds them): the table kernels' span functions
+    where backward_kernel is the table kernel of an instruction set (TABLE_KERNELS), else
+    _backward_span (the polynomial's, or a monotone activation's)."""
+    cpu = act.cpu  # imports numba and loads the view's kernels from its disk cache
+    span_flags, span_bits = getattr(cpu, "_backward_span", None), None
+    for isa, (table, _) in getattr(cpu, "TABLE_KERNELS", {}).items():
+        if cpu.backward_kernel is table:
+            span_flags = getattr(cpu, f"_table_span_flags_{isa}", None)
+            span_bits = getattr(cpu, f"_table_span_bits_{isa}", None)
+            if span_flags is None or span_bits is None:  # not the view this module knows: in parallel
+                span_flags = span_bits = None
+    span = getattr(cpu, "_SPAN", 0) if span_flags is not None else 0
+    bits = getattr(cpu, "backward_kernel_bits", None)
+    return Kernels(span, cpu.backward_kernel, bits, span_flags, span_bits)
+
+
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
              ) -> torch.Tensor:  # fmt: skip
-    """dx = dy * q(y, bit) for flat CPU tensors. The bits come packed (`bits`, uint8, LSB first) or, in
-    precision-bit mode, as y's own integer view, whose lowest bit is the branch bit; neither for a
-    monotone activation. Packed bits go to the kernel as they are (`backward_kernel_bits`: each thread
-    unpacks its span's into a buffer that stays in cache)."""
-    flags = _bits.int_view(y) if precision_bit and not act.monotone else None
-    bits = None if act.monotone or precision_bit else bits
-    kernel = act.cpu.backward_kernel  # printed by codegen into the activation's numba view
-    y32, dy32 = y.float().contiguous(), dy.float().contiguous()
+    """dx = dy * q(y, bit) for flat CPU tensors, or contiguous ones of one shape (dx then in y's).
+    The bits come packed (`bits`, uint8, LSB first) or, in precision-bit mode, as y's own integer
+    view, whose lowest bit is the branch bit; neither for a monotone activation. Packed bits go to
+    the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a buffer that
+    stays in cache). Up to one span (SERIAL) the span's serial function runs on this thread: the
+    function the parallel kernel calls on its one span."""
+    k = act.numba_kernels
+    y32 = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
+    dy32 = dy if dy.dtype == torch.float32 and dy.is_contiguous() else dy.float().contiguous()
     dx32 = torch.empty_like(y32)
-    arrays = y32.numpy(), dy32.numpy(), dx32.numpy()
-    if bits is None and flags is None:
-        kernel(*arrays)
-        return dx32.to(dy.dtype)
-    if flags is not None:
-        kernel(arrays[0], flags.contiguous().numpy(), arrays[1], arrays[2])
-    else:
-        act.cpu.backward_kernel_bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
-    return dx32.to(dy.dtype)
+    arrays = y32.numpy().ravel(), dy32.numpy().ravel(), dx32.numpy().ravel()  # contiguous: views
+    serial = y32.numel() <= k.span  # 0 where the view has no span function
+    if act.monotone:
+        (k.span_flags if serial else k.flags)(*arrays)
+    elif precision_bit:
+        flags = _bits.int_view(y).contiguous().numpy().ravel()
+        (k.span_flags if serial else k.flags)(arrays[0], flags, arrays[1], arrays[2])
+    elif not serial:
+        k.bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
+    elif k.span_bits is not None:
+        k.span_bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
+    else:  # the polynomial's span function reads one flag per element (0 or 1)
+        flags = np.unpackbits(bits.numpy(), count=y32.numel(), bitorder="little")
+        k.span_flags(arrays[0], flags, arrays[1], arrays[2])
+    return dx32 if dy.dtype == torch.float32 else dx32.to(dy.dtype)

@@ -25,28 +25,36 @@ really saved.
 
 from __future__ import annotations
 
-import threading
+import operator
 
 import torch
 from torch import nn
 
-from invact.modules import InvAct
+from invact.modules import _CALLS, InvAct
 from invact.ops import _Eager, _EagerPlain
 
-# The autograd nodes of the eager InvAct functions (outside and inside torch.func transforms)
+# The autograd nodes of the eager InvAct functions (outside and inside torch.func transforms), and
+# the multiply's. Their Python classes are compared first: a type costs less to read than name(),
+# which builds a string (C++ nodes' classes are in torch._C._functions).
 _INVACT_NODES = frozenset(f"{function.__name__}Backward" for function in (_Eager, _EagerPlain))
+_INVACT_NODE_TYPES = (_Eager._backward_cls, _EagerPlain._backward_cls)
 _MUL_NODE = "MulBackward0"
+_MUL_TYPE = getattr(torch._C._functions, _MUL_NODE, None)
+
+
+def _is_mul(node) -> bool:
+    return type(node) is _MUL_TYPE or (_MUL_TYPE is None and node.name() == _MUL_NODE)
 
 
 def multiply(t: torch.Tensor):
     """(node, operand nodes) of the multiply that produced t or t's view base, where both operands
     need grad (so the multiply saved both); None otherwise."""
-    base = t if t._base is None else t._base
-    node = base.grad_fn
-    if node is None or node.name() != _MUL_NODE:
+    base = t._base
+    node = (t if base is None else base).grad_fn
+    if node is None or not _is_mul(node):
         return None
     operands = [n for n, _ in node.next_functions]
-    if any(n is None for n in operands):  # an operand without grad: the multiply saved only one
+    if None in operands:  # an operand without grad: the multiply saved only one
         return None
     return node, operands
 
@@ -58,35 +66,45 @@ def _product_node(t: torch.Tensor):
     if found is None:
         return None
     node, operands = found
-    return node if any(n.name() in _INVACT_NODES for n in operands) else None
+    for n in operands:
+        if type(n) in _INVACT_NODE_TYPES or n.name() in _INVACT_NODES:
+            return node
+    return None
 
 
 class _Recompute:
     """A saved tensor that is (a view of) y * u: recomputed from the multiply's saved operands."""
 
-    __slots__ = ("node", "size", "stride", "offset", "base_stride")
+    __slots__ = ("node", "size", "stride", "offset", "base_stride", "whole")
 
     def __init__(self, node, t: torch.Tensor) -> None:
-        base = t if t._base is None else t._base
-        self.node, self.size, self.stride = node, t.size(), t.stride()
+        base = t._base
+        self.node, self.whole = node, base is None  # whole: h itself, not a view of it
+        if base is None:
+            self.base_stride = t.stride()
+            return
+        self.size, self.stride, self.base_stride = t.size(), t.stride(), base.stride()
         self.offset = t.storage_offset() - base.storage_offset()
-        self.base_stride = base.stride()
 
     def tensor(self) -> torch.Tensor:
         h = self.node._saved_self * self.node._saved_other
         if h.stride() != self.base_stride:  # the same op on the same operands lays out the same
             raise RuntimeError("invact: the recomputed gated product has another layout than the saved one")
+        if self.whole:  # the saved tensor was h itself: the view below would be h as it is
+            return h
         return h.as_strided(self.size, self.stride, h.storage_offset() + self.offset)
 
+    def __getitem__(self, _):  # the unpack hook's item getter (see _Saved)
+        return self.tensor()
 
-class _Saved:
-    """A tensor some op inside the hooked module saved: the tensor itself until the module returns,
-    then (see _Scope.close) possibly the same values elsewhere."""
 
-    __slots__ = ("t",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
+# A tensor some op inside the hooked module saved, as a one-item list [t]: the tensor itself until the
+# module returns, then (see _Scope.close) possibly the same values elsewhere. A list, and _unpack its
+# item getter, because a list is built without a Python call and operator.itemgetter runs in C: the
+# hooks run for every tensor saved inside the module, and the unpack hook needs no Python frame but
+# for a _Recompute (its __getitem__).
+_Saved = list
+_unpack = operator.itemgetter(0)
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -103,7 +121,7 @@ def _ptr(t: torch.Tensor) -> int:
     """The identity of t's storage: its address; on the meta device, where every address is 0, the
     storage itself (its StorageImpl, which views share)."""
     storage = t.untyped_storage()
-    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+    return storage._cdata if t.is_meta else storage.data_ptr()
 
 
 def _holders(storage) -> int | None:
@@ -139,8 +157,8 @@ def _move_into(g: torch.Tensor, y: torch.Tensor, parts: list[_Saved], saved_y: l
     already touched, holds what the module saves: no fresh memory, where a copy of u would take as
     many bytes of fresh pages (on CPU a page fault costs microseconds: 8k faults for a 32 MB copy).
     False, with nothing changed, where any condition does not hold."""
-    u = parts[0].t
-    if any(p.t is not u for p in parts) or any(s.t is not y for s in saved_y):
+    u = parts[0][0]
+    if any(p[0] is not u for p in parts) or any(s[0] is not y for s in saved_y):
         return False
     if y.shape != g.shape or y.dtype != g.dtype or not y.is_contiguous() or y.device != g.device:
         return False
@@ -166,9 +184,9 @@ def _move_into(g: torch.Tensor, y: torch.Tensor, parts: list[_Saved], saved_y: l
         dense[n:].copy_(y.view(-1))
     u_moved, y_moved = dense[:n].view(u.shape), dense[n:].view(y.shape)
     for p in parts:
-        p.t = u_moved
+        p[0] = u_moved
     for s in saved_y:
-        s.t = y_moved
+        s[0] = y_moved
     return True
 
 
@@ -177,26 +195,27 @@ class _Scope:
 
     Pack a gated product as a _Recompute and every other tensor as a _Saved, handed at the module's
     return to `observer` (its pack records and returns the tensor) if given. InvAct modules inside
-    record their input and output (see _note_call)."""
+    record their input and output (InvAct.forward, where recompute_products set _invact_notes_calls)."""
+
+    __slots__ = ("observer", "calls", "saved")
 
     def __init__(self, observer=None) -> None:
-        self.observe = observer or (lambda t: t)
+        self.observer = observer
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, y) of each InvAct module inside
         self.saved: list[_Saved] = []
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        node = _product_node(t)
-        if node is not None:
-            return _Recompute(node, t)
-        self.saved.append(_Saved(t))
-        return self.saved[-1]
-
-    @staticmethod
-    def unpack(saved):
-        if isinstance(saved, _Recompute):
-            return saved.tensor()
-        return saved.t
+        # Most saved tensors are no product: a leaf (the module's input, a weight: no grad_fn) or
+        # another op's output. Only a multiply's goes on to _product_node.
+        base = t._base
+        node = (t if base is None else base).grad_fn
+        if node is not None and _is_mul(node):
+            node = _product_node(t)
+            if node is not None:
+                return _Recompute(node, t)
+        saved = [t]
+        self.saved.append(saved)
+        return saved
 
     def close(self, arguments: tuple, output) -> None:
         """At the module's return, stop keeping g where it is half of a fused gate_up output: InvAct
@@ -204,59 +223,63 @@ class _Scope:
         storage (_move_into) or u is copied out of it. Neither where some op in the call saved that
         storage whole, or the module was given it or returns it (its caller holds it): there the
         storage stays, and a copy would add u's bytes."""
-        by_storage: dict[int, list[_Saved]] = {}
-        for s in self.saved:
-            by_storage.setdefault(_ptr(s.t), []).append(s)
-        given = [t for a in arguments for t in _tensors(a)]
-        kept = {
-            _ptr(s.t)
-            for s in self.saved
-            if s.t.numel() * s.t.element_size() == s.t.untyped_storage().nbytes()
-        }
-        kept |= {_ptr(t) for t in (*given, *_tensors(output))}
-        calls, self.calls = self.calls, []
-        for x, y in calls:
-            ptr = _ptr(x)
-            parts = [] if ptr in kept else by_storage.pop(ptr, [])
-            if parts and not _move_into(x, y, parts, by_storage.get(_ptr(y), [])):
-                for part in parts:
-                    part.t = part.t.detach().clone(memory_format=torch.contiguous_format)
         saved, self.saved = self.saved, []  # from now on the saved-tensor slots alone hold them
-        for s in saved:
-            s.t = self.observe(s.t)
+        calls, self.calls = self.calls, []
+        if calls and saved and any(_may_share(x, saved) for x, _ in calls):
+            _free_gate_halves(calls, saved, arguments, output)
+        if self.observer is not None:
+            for s in saved:
+                s[0] = self.observer(s[0])
 
 
-class _Calls(threading.local):
-    """The hooked module calls in progress in this thread (as saved-tensor hooks are: nn.DataParallel
-    runs its replicas' forwards in threads), innermost last."""
+def _may_share(x: torch.Tensor, saved: list[_Saved]) -> bool:
+    """Some saved tensor may share x's storage: one starts inside it (which every tensor sharing it
+    does), or x is on the meta device (no addresses: then _free_gate_halves compares storages)."""
+    if x.is_meta:
+        return True
+    storage = x.untyped_storage()
+    start = storage.data_ptr()
+    end = start + storage.nbytes()
+    return any(start <= t.data_ptr() <= end for (t,) in saved)
 
-    def __init__(self) -> None:
-        self.scopes: list[_Scope] = []
 
-
-_CALLS = _Calls()
+def _free_gate_halves(calls: list, saved: list[_Saved], arguments: tuple, output) -> None:
+    """_Scope.close's work, where some saved tensor shares the storage of an InvAct module's input."""
+    by_storage: dict[int, list[_Saved]] = {}
+    for s in saved:
+        by_storage.setdefault(_ptr(s[0]), []).append(s)
+    given = [t for a in arguments for t in _tensors(a)]
+    kept = {_ptr(t) for (t,) in saved if t.numel() * t.element_size() == t.untyped_storage().nbytes()}
+    kept |= {_ptr(t) for t in (*given, *_tensors(output))}
+    for x, y in calls:
+        ptr = _ptr(x)
+        parts = [] if ptr in kept else by_storage.pop(ptr, [])
+        if parts and not _move_into(x, y, parts, by_storage.get(_ptr(y), [])):
+            for part in parts:
+                part[0] = part[0].detach().clone(memory_format=torch.contiguous_format)
 
 
 def _note_call(module, args, output) -> None:
-    """Forward hook of an InvAct module inside a hooked one: record its input and output."""
-    scopes = _CALLS.scopes
-    if scopes and not torch.compiler.is_compiling() and isinstance(args[0], torch.Tensor):
-        scopes[-1].calls.append((args[0], output))
+    """The forward hook earlier versions registered on each InvAct module inside a hooked one. It
+    does nothing now (InvAct.forward records its calls); kept so that a model pickled with such a hook
+    still loads."""
 
 
 _STAND_ASIDE = object()
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+# What torch.autograd.graph.saved_tensors_hooks' __enter__ and __exit__ call
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
 def _outer_pack():
     """None where no saved-tensor hooks are in force; an observer's pack; else _STAND_ASIDE (hooks
     that store something else: checkpointing, offloading; hooks disabled, as torch.func's grad and
     vjp do, which refuse any; also where torch cannot say)."""
-    autograd = torch._C._autograd
-    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
-    enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
-    if top is None or enabled is None or not enabled():
+    if _TOP_HOOKS is None or _HOOKS_ENABLED is None or not _HOOKS_ENABLED():
         return _STAND_ASIDE
-    current = top(False)
+    current = _TOP_HOOKS(False)
     if current is None:
         return None
     return current[0] if getattr(current[0], "_invact_observer", False) else _STAND_ASIDE
@@ -277,7 +300,7 @@ class _Hooks:
             outer = _outer_pack()
             if outer is not _STAND_ASIDE:
                 scope = _Scope(outer)
-                scope.hooks.__enter__()
+                _push_hooks(scope.pack, _unpack)
                 _CALLS.scopes.append(scope)
         self.stack.append(scope)
 
@@ -286,7 +309,7 @@ class _Hooks:
             return
         scope = self.stack.pop() if self.stack else None
         if scope is not None:
-            scope.hooks.__exit__(None, None, None)
+            _pop_hooks()
             _CALLS.scopes.remove(scope)
             scope.close((*args, kwargs), output)
 
@@ -302,7 +325,6 @@ def recompute_products(module: nn.Module) -> bool:
     module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     module._invact_recompute_products = True
     for act in module.modules():
-        if isinstance(act, InvAct) and not getattr(act, "_invact_notes_calls", False):
-            act.register_forward_hook(_note_call)
-            act._invact_notes_calls = True
+        if isinstance(act, InvAct):
+            act._invact_notes_calls = True  # its forward records (x, y) in the innermost scope
     return True

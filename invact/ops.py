@@ -59,7 +59,36 @@ def _backend(t: torch.Tensor, backward: bool) -> ModuleType:
         from invact import _triton
 
         return _triton
-    return _numba if t.device.type == "cpu" and _numba.available() else _portable
+    return _numba if t.is_cpu and _numba.available() else _portable
+
+
+# The eager path looks at INVACT_BACKEND on every call (it may be set at run time), where it is
+# mostly unset, and there os.environ.get raises and catches a KeyError or two: measured on a 2-core
+# Intel Xeon, that lookup took 6 us of an MLP block's forward + backward (InvAct's 27 us over torch's
+# went to 21 us without it). CPython's os.environ keeps the variables in a dict under encoded keys
+# (os._Environ._data, encodekey): a membership test there raises nothing. Where os.environ is anything
+# else (a mapping put in its place), it is asked as a mapping.
+_ENV_KEY = os.environ.encodekey("INVACT_BACKEND") if hasattr(os.environ, "encodekey") else None
+
+
+def _backend_env_set() -> bool:
+    """INVACT_BACKEND is in the environment (backend_for reads and checks its value)."""
+    data = getattr(os.environ, "_data", None)
+    if _ENV_KEY is not None and type(data) is dict:
+        return _ENV_KEY in data
+    return "INVACT_BACKEND" in os.environ
+
+
+def _eager_backends(x: torch.Tensor) -> tuple[ModuleType, ModuleType]:
+    """(_backend(x, False), _backend(x, True)) with one look at the environment: the eager Function
+    chooses both in its forward."""
+    if x.dtype == torch.float64:
+        return _portable, _float64
+    if x.is_cpu and not _backend_env_set():
+        backend = _numba if _numba.available() else _portable
+    else:
+        backend = _backend(x, False)
+    return backend, backend
 
 
 def _saves_bits(act: Activation, x: torch.Tensor, precision_bit: bool) -> bool:
@@ -131,22 +160,27 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _eager_backward(ctx, dy):
-    """Both eager Functions' backward: dx for (x, activation, precision_bit)."""
+    """_Eager's backward: dx for (x, activation, precision_bit)."""
     if dy is None:  # y's gradient is zero (grads are not materialized: _setup_context)
         return None, None, None
     y, bits = _saved(ctx)
+    return _eager_backward_of(ctx.activation, ctx.precision_bit, y, bits, dy)
+
+
+def _eager_backward_of(activation: str, precision_bit: bool, y, bits, dy):
+    """Both eager Functions' backward from their saved y and bits."""
     # create_graph=True: through the op, whose missing autograd formula then raises a clear error
     # if anyone differentiates again (q approximates f'; nothing approximates f'').
     if torch._C._functorch.maybe_current_level() is not None:  # inside torch.func.grad/vjp/vmap
         # Its tensors are wrappers without storage, which neither the op nor the kernels take: the
         # portable backward, in torch ops, runs on them.
-        act = ACTIVATIONS[ctx.activation]
-        dx = _portable.backward(act, flat(y), bits, flat(like(dy, y)), ctx.precision_bit)
+        act = ACTIVATIONS[activation]
+        dx = _portable.backward(act, flat(y), bits, flat(like(dy, y)), precision_bit)
         return shaped_like(dx, y), None, None
     # On the meta device (shapes only: `invact plan`) the op's fake kernel gives dx: the float64
     # backward's Newton iterations read values, which meta tensors have none of.
     backward = torch.ops.invact.backward if torch.is_grad_enabled() or y.is_meta else _backward_impl
-    return backward(dy, y, bits, ctx.activation, ctx.precision_bit), None, None
+    return backward(dy, y, bits, activation, precision_bit), None, None
 
 
 class _Eager(torch.autograd.Function):
@@ -194,17 +228,45 @@ class _EagerPlain(torch.autograd.Function):
     body, saved state and backward, with less host time per call. A Function that defines
     setup_context binds its arguments with inspect.signature on every apply (measured on a 2-core AMD
     EPYC with stand-in kernels: apply 32.5 us against 8.5 us, forward + backward 80 us against 49 us;
-    on a GPU the host's time per call is what a small layer waits for)."""
+    on a GPU the host's time per call is what a small layer waits for). Its one output is y: the bits
+    are saved for backward without being an output (no second output for autograd to wrap and mark
+    non-differentiable), and the backends for forward and backward are chosen once, in forward."""
 
     @staticmethod
     def forward(ctx, x, activation, precision_bit):
-        output = _forward_impl(x, activation, precision_bit)
-        _setup_context(ctx, (x, activation, precision_bit), output)
-        return output
+        act = ACTIVATIONS[activation]
+        forward, backward = _eager_backends(x)
+        y, bits = forward.forward(act, x, precision_bit)
+        # No zero gradient is built for a y nobody differentiates (see _setup_context).
+        ctx.set_materialize_grads(False)
+        ctx.act, ctx.precision_bit, ctx.backend = act, precision_bit, backward
+        if bits.numel():
+            ctx.save_for_backward(y, bits)
+        else:  # precision-bit mode, a monotone activation or an empty input: nothing beyond y
+            ctx.save_for_backward(y)
+        return y
 
     @staticmethod
-    def backward(ctx, dy, _dbits):
-        return _eager_backward(ctx, dy)
+    def backward(ctx, dy):
+        if dy is None:  # y's gradient is zero (grads are not materialized)
+            return None, None, None
+        saved = ctx.saved_tensors
+        y = saved[0]
+        bits = saved[1] if len(saved) == 2 else y.new_empty(0, dtype=torch.uint8)  # no bits were saved
+        if torch._C._functorch.maybe_current_level() is not None or torch.is_grad_enabled() or y.is_meta:
+            # inside a torch.func transform, under create_graph=True, or on the meta device: as _Eager
+            return _eager_backward_of(ctx.act.name, ctx.precision_bit, y, bits, dy)
+        backend = ctx.backend
+        if backend is _numba and y.is_contiguous() and dy.is_contiguous():  # both flat by storage order
+            return _numba.backward(ctx.act, y, bits, dy, ctx.precision_bit), None, None
+        dx = backend.backward(ctx.act, flat(y), bits, flat(like(dy, y)), ctx.precision_bit)
+        return shaped_like(dx, y), None, None
+
+
+# _EagerPlain's apply without autograd.Function.apply's Python layer (which, for a Function without
+# setup_context and outside torch.func transforms, only unwraps dead torch.func wrappers: invact() takes
+# that layer where x is one).
+_apply_plain = super(torch.autograd.Function, _EagerPlain).apply
 
 
 def _functorch_wrapped(x: torch.Tensor) -> bool:
@@ -213,20 +275,36 @@ def _functorch_wrapped(x: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
 def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor:
     """y = f(x), saving y and the branch bits for backward. `mode`: "bits" or "precision_bit"."""
+    # The common case first, in one condition: eager, recording, bits mode or a precision-bit dtype.
+    if (
+        torch.is_grad_enabled()
+        and x.requires_grad
+        and (mode == "bits" or (mode == "precision_bit" and _bits.supports_precision_bit(x.dtype)))
+        and x.is_floating_point()
+        and not torch.compiler.is_compiling()
+        and not _transforms_active()
+        and not _is_wrapped(x)  # a dead torch.func wrapper: autograd.Function.apply unwraps it
+    ):
+        return _apply_plain(x, activation, mode == "precision_bit")
     check_mode(mode)
     act = ACTIVATIONS[activation]
+    precision_bit = mode == "precision_bit"
     if not x.is_floating_point():
         return act.torch_forward(x)  # raises torch's own error for integer input
-    if mode == "precision_bit" and not (_bits.supports_precision_bit(x.dtype) or x.dtype == torch.float64):
+    if precision_bit and not (_bits.supports_precision_bit(x.dtype) or x.dtype == torch.float64):
         raise TypeError(f"precision_bit mode supports float32, float16 and bfloat16, not {x.dtype}")
     if not (torch.is_grad_enabled() and (x.requires_grad or _functorch_wrapped(x))):
         return act.torch_forward(x)  # nothing to save: torch's op as is
     if torch.compiler.is_compiling():
-        return torch.ops.invact.forward(x, activation, mode == "precision_bit")[0]
+        return torch.ops.invact.forward(x, activation, precision_bit)[0]
     if not torch._C._are_functorch_transforms_active():
-        return _EagerPlain.apply(x, activation, mode == "precision_bit")[0]
+        return _EagerPlain.apply(x, activation, precision_bit)
     if _functorch_wrapped(x):  # storage order is logical order: the transforms' tensors flatten plainly
         x = x.contiguous()
-    return _Eager.apply(x, activation, mode == "precision_bit")[0]
+    return _Eager.apply(x, activation, precision_bit)[0]
