@@ -30,6 +30,7 @@ import operator
 import torch
 from torch import nn
 
+from invact.memory import storage_id
 from invact.modules import _CALLS, InvAct
 from invact.ops import _Eager, _EagerPlain
 
@@ -115,13 +116,6 @@ def _tensors(output) -> list[torch.Tensor]:
         return [t for t in output.values() if isinstance(t, torch.Tensor)]
     items = output if isinstance(output, (tuple, list)) else ()
     return [t for t in items if isinstance(t, torch.Tensor)]
-
-
-def _ptr(t: torch.Tensor) -> int:
-    """The identity of t's storage: its address; on the meta device, where every address is 0, the
-    storage itself (its StorageImpl, which views share)."""
-    storage = t.untyped_storage()
-    return storage._cdata if t.is_meta else storage.data_ptr()
 
 
 def _holders(storage) -> int | None:
@@ -247,14 +241,14 @@ def _free_gate_halves(calls: list, saved: list[_Saved], arguments: tuple, output
     """_Scope.close's work, where some saved tensor shares the storage of an InvAct module's input."""
     by_storage: dict[int, list[_Saved]] = {}
     for s in saved:
-        by_storage.setdefault(_ptr(s[0]), []).append(s)
+        by_storage.setdefault(storage_id(s[0]), []).append(s)
     given = [t for a in arguments for t in _tensors(a)]
-    kept = {_ptr(t) for (t,) in saved if t.numel() * t.element_size() == t.untyped_storage().nbytes()}
-    kept |= {_ptr(t) for t in (*given, *_tensors(output))}
+    kept = {storage_id(t) for (t,) in saved if t.numel() * t.element_size() == t.untyped_storage().nbytes()}
+    kept |= {storage_id(t) for t in (*given, *_tensors(output))}
     for x, y in calls:
-        ptr = _ptr(x)
+        ptr = storage_id(x)
         parts = [] if ptr in kept else by_storage.pop(ptr, [])
-        if parts and not _move_into(x, y, parts, by_storage.get(_ptr(y), [])):
+        if parts and not _move_into(x, y, parts, by_storage.get(storage_id(y), [])):
             for part in parts:
                 part[0] = part[0].detach().clone(memory_format=torch.contiguous_format)
 

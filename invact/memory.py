@@ -38,19 +38,18 @@ class MemoryReport:
         return self.saved_bytes / baseline.saved_bytes - 1
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of t's storage: its address; on the meta device, where every address is 0, the
+    storage itself (its StorageImpl's address, `_cdata`, which views share)."""
+    storage = t.untyped_storage()
+    return storage._cdata if t.is_meta else storage.data_ptr()
+
+
 def parameter_storages(model: nn.Module) -> set[int]:
-    """The data pointers of the storages of `model`'s parameters and buffers; of a DTensor's local
-    shard where FSDP2 (fully_shard) made them DTensors, whose own storage cannot be read."""
+    """The storage_ids of `model`'s parameters and buffers; of a DTensor's local shard where FSDP2
+    (fully_shard) made them DTensors, whose own storage cannot be read."""
     tensors = (*model.parameters(), *model.buffers())
-    return {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in tensors}
-
-
-def meta_parameter_storages(model: nn.Module) -> set[int]:
-    """The identities (StorageImpl addresses, `storage._cdata`) of the storages of `model`'s parameters
-    and buffers on the meta device, where every data pointer is 0 and so cannot tell them apart."""
-    tensors = (*model.parameters(), *model.buffers())
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    return {t.untyped_storage()._cdata for t in local if t.is_meta}
+    return {storage_id(t.to_local() if hasattr(t, "to_local") else t) for t in tensors}
 
 
 def _mib(n: int) -> str:
@@ -63,23 +62,17 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
 
     def __init__(self, model: nn.Module) -> None:
         self._excluded = parameter_storages(model)
-        self._excluded_meta = meta_parameter_storages(model)
         self._storages: dict[int, tuple[torch.UntypedStorage, str]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.report = MemoryReport()
 
-    def _counts(self, storage: torch.UntypedStorage) -> bool:
-        """Whether a saved storage counts: not empty, not a parameter's or buffer's (told apart by
-        address, and on the meta device, where every address is 0, by the storage's identity)."""
-        if not storage.nbytes():
-            return False
-        if storage.device.type == "meta":
-            return storage._cdata not in self._excluded_meta
-        return storage.data_ptr() not in self._excluded
+    def _counts(self, t: torch.Tensor) -> bool:
+        """Whether t's storage counts: not empty, not a parameter's or buffer's."""
+        return bool(t.untyped_storage().nbytes()) and storage_id(t) not in self._excluded
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if self._counts(storage):
+        if self._counts(t):
             # Keyed by the storage itself, not its address, and sized on exit: FSDP2 frees the
             # gathered weights the forward saved by resizing their storage to 0 (the address then
             # goes to later tensors), and gathers them again for backward.

@@ -346,7 +346,7 @@ class _Attributed(count_saved):
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if self._counts(storage) and storage._cdata not in self.kind_of:
+        if self._counts(t) and storage._cdata not in self.kind_of:
             self.kind_of[storage._cdata] = self.notes.get(storage._cdata) or self._kind(t)
         return super()._pack(t)
 
