@@ -1,22 +1,28 @@
 """Static cost of the Triton kernels on an H100, from any machine: each kernel is compiled for sm_90
-(Triton's compiler and the ptxas it ships need no GPU), disassembled with the nvdisasm it ships, and
-its SASS instructions are counted per element. The kernels are straight-line code, each thread
-handling block / (32 num_warps) elements once, so the count per element is the count over that.
+(Triton's compiler and the ptxas it ships need no GPU) as a launch specializes it (pointers 16-byte
+aligned, as torch allocates them), disassembled with the nvdisasm it ships, and its SASS instructions are
+counted per element. The kernels are straight-line code, each thread handling block / (32 num_warps)
+elements once, so the count per element is the count over that.
 
 The budget beside it: how many instructions per element the GPU can issue in the time its memory
 moves the kernel's bytes (the same-bytes copy's GB/s measured by benchmarks/tune.py, read from
-results/tune_<device>.json). A kernel within budget is memory-bound; one over it is compute-bound, and
-its predicted GB/s is the copy's times budget / instructions. Calibration against tune.py on the H100
-(kernels as they were then): gelu's bf16 backward, 111 instructions per element against a budget of
-75, predicted 1846 GB/s and measured 1852; its bf16 forward, 65 against 50, predicted 2123 and
-measured 2402: a conservative estimate there. Writes results/kernel_sass_<tune device>.json and
-prints a markdown table.
+results/tune_<device>.json; fp16 takes bf16's copy: a copy moves bytes, not values). A kernel within
+budget is memory-bound; one over it is compute-bound, and its predicted GB/s is the copy's times
+budget / instructions.
+
+Rows are the full-block kernels, which run whenever n is a multiple of the block (1024: every
+transformer shape here); --tails adds the masked kernels that run otherwise, whose loads may not be
+vectorized (one element at a time in 16-bit). Calibration: on the H100, gelu's bf16 backward (as it
+was then: 111 instructions per element counted for unaligned pointers, a specialization that never
+ran) measured 1852 GB/s against a copy of 2748; re-measure with tune.py when a GPU is lent. Writes
+results/kernel_sass_<tune device>.json and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import re
@@ -32,7 +38,7 @@ from timing import RESULTS, gpu_slug, version, write_result
 # The H100 SXM's issue rate (NVIDIA H100 Tensor Core GPU Architecture whitepaper): 132 SMs, each of 4
 # sub-partitions issuing one warp instruction (32 threads) per clock, at the 1980 MHz boost clock.
 SMS, LANES_PER_CLOCK, CLOCK_HZ = 132, 4 * 32, 1.98e9
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -56,7 +62,7 @@ def bytes_per_element(kernel: str, element_size: int, saves_bits: bool) -> float
     return tensors * element_size + (0.125 if saves_bits else 0.0)
 
 
-def measure(names: list[str], copy_gbps: dict[str, float]) -> list[dict]:
+def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) -> list[dict]:
     from invact import _triton
     from invact.activations import ACTIVATIONS
 
@@ -67,20 +73,36 @@ def measure(names: list[str], copy_gbps: dict[str, float]) -> list[dict]:
         for kernel in ("forward", "backward"):
             config = _triton.CONFIGS[kernel]
             per_thread = config.block // (32 * config.num_warps)
-            for dtype_name, dtype in DTYPES.items():
-                counts = sass_counts(_triton.compile_for(kernel, act, dtype, False).asm["cubin"])
+            variants = itertools.product(DTYPES.items(), (True, False) if tails else (True,))
+            for (dtype_name, dtype), even in variants:
+                compiled = _triton.compile_for(kernel, act, dtype, False, even=even)
+                counts = sass_counts(compiled.asm["cubin"])
                 per_element = sum(counts.values()) / per_thread
                 moved = bytes_per_element(kernel, dtype.itemsize, not act.monotone)
                 copy = copy_gbps[dtype_name] * 1e9
                 budget = issue_rate * moved / copy
                 rows.append({
-                    "activation": name, "kernel": kernel, "dtype": dtype_name,
+                    "activation": name, "kernel": kernel, "dtype": dtype_name, "full_blocks": even,
                     "instructions_per_element": per_element, "budget_per_element": budget,
                     "bytes_per_element": moved, "copy_gbps": copy_gbps[dtype_name],
                     "predicted_gbps": copy_gbps[dtype_name] * min(1.0, budget / per_element),
                     "top_opcodes": dict(counts.most_common(6)),
                 })  # fmt: skip
     return rows
+
+
+def copy_rates(tune: dict) -> dict[str, float]:
+    """The same-bytes copy's GB/s per dtype from tune.py's JSON. A dtype it did not time takes the
+    figure of one with the same element size (a copy moves bytes, not values: fp16 from bf16)."""
+    timed = {d: tune["dtypes"][d]["default"]["copy_gbps"] for d in DTYPES if d in tune["dtypes"]}
+    size = {d: t.itemsize for d, t in DTYPES.items()}
+    rates = {}
+    for d in DTYPES:
+        same = [timed[t] for t in timed if size[t] == size[d]]
+        if d not in timed and not same:
+            raise ValueError(f"{tune['device']}: no copy timed for {d} or a dtype of its size")
+        rates[d] = timed.get(d, same[0] if same else None)
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     default_tune = RESULTS / "tune_h100-80gb-hbm3.json"
     parser.add_argument("--tune", type=Path, default=default_tune, help="tune.py's JSON (default: H100's)")
     parser.add_argument("--out", type=Path, help="JSON path (default results/kernel_sass_<device>.json)")
+    tails = "also the masked kernels (n not a multiple of the block)"
+    parser.add_argument("--tails", action="store_true", help=tails)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         parser.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
@@ -102,15 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown activation(s) {', '.join(unknown)}; known: {', '.join(sorted(ACTIVATIONS))}")
     tune = json.loads(args.tune.read_text())
-    copy_gbps = {d: tune["dtypes"][d]["default"]["copy_gbps"] for d in DTYPES}
-    rows = measure(names, copy_gbps)
+    copy_gbps = copy_rates(tune)
+    rows = measure(names, copy_gbps, args.tails)
     print(f"\nsm_90 SASS per element against {tune['device']}'s budget (copy GB/s: {args.tune.name})\n")
-    print("| activation | kernel | dtype | instructions | budget | predicted GB/s | copy GB/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| activation | kernel | dtype | blocks | instructions | budget | predicted GB/s | copy GB/s "
+          "| share |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cost = f"{r['instructions_per_element']:.1f} | {r['budget_per_element']:.1f}"
-        rates = f"{r['predicted_gbps']:.0f} | {r['copy_gbps']:.0f}"
-        print(f"| {r['activation']} | {r['kernel']} | {r['dtype']} | {cost} | {rates} |")
+        share = r["predicted_gbps"] / r["copy_gbps"]
+        rates = f"{r['predicted_gbps']:.0f} | {r['copy_gbps']:.0f} | {share:.0%}"
+        blocks = "full" if r["full_blocks"] else "tail"
+        print(f"| {r['activation']} | {r['kernel']} | {r['dtype']} | {blocks} | {cost} | {rates} |")
     result = {"device": tune["device"], "target": "sm_90", "triton": version("triton"), "rows": rows}
     out = args.out or RESULTS / f"kernel_sass_{gpu_slug(tune['device'])}.json"
     write_result(result, "kernel_sass", "cuda", out=out)

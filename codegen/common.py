@@ -35,8 +35,11 @@ def per_branch(c: CoeffFile) -> str:
 
 
 def q_functions(
-    c: CoeffFile, printer, suffix: str, decorator: str = "", annotate: bool = False, prefix: str = ""
-) -> str:
+    c: CoeffFile, printer, suffix: str, decorator: str = "", annotate: bool = False, prefix: str = "",
+    stem: str = "q", note: str = "",
+) -> str:  # fmt: skip
+    """One function per branch, {prefix}{stem}_{branch}{suffix}(y), printed with `printer`; `note`
+    opens each docstring."""
     blocks = []
     for name, branch in c.branches.items():
         if c.monotone:
@@ -45,9 +48,9 @@ def q_functions(
             side = "x < threshold, bit 1" if name == "left" else "x >= threshold, bit 0"
             where = f"on the {name} branch ({side})"
         args = "y: torch.Tensor) -> torch.Tensor" if annotate else "y)"
-        doc = f"q ~ f'(f^-1(y)) {where}; max error {branch.errors['linf']:.3g}."
+        doc = f"{note}q ~ f'(f^-1(y)) {where}; max error {branch.errors['linf']:.3g}."
         body = function_body(branch.sympy_expression(), printer)
-        blocks.append(f'{decorator}def {prefix}q_{name}{suffix}({args}:\n    """{doc}"""\n{body}\n')
+        blocks.append(f'{decorator}def {prefix}{stem}_{name}{suffix}({args}:\n    """{doc}"""\n{body}\n')
     return "\n\n".join(blocks)
 
 

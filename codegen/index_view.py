@@ -9,11 +9,13 @@ from codegen import spec
 from codegen.common import header
 
 
-def render_index(defaults: dict[str, str], the_spec: spec.Spec, sources: list[tuple[str, str]]) -> str:
+def render_index(defaults: dict[str, str], the_spec: spec.Spec, sources: list[tuple[str, str]],
+                 sixteen: dict[str, str]) -> str:  # fmt: skip
     """The runtime's tables: the activations and their families, the module class of each, the
     classes and functions patch() replaces, and the classes it leaves alone on purpose."""
     names = sorted(defaults)
     families = "\n".join(f"    {a!r}: {defaults[a]!r}," for a in names)
+    families_16bit = "\n".join(f"    {a!r}: {sixteen.get(a, defaults[a])!r}," for a in names)
     module_of_entries = {a: the_spec.entries[a] for a in names}
     module_of = {a: e.module for a, e in module_of_entries.items()}
     modules = "\n".join(f"    {a!r}: ({m.cls!r}, {dict(m.kwargs)!r})," for a, m in module_of.items())
@@ -35,6 +37,11 @@ def render_index(defaults: dict[str, str], the_spec: spec.Spec, sources: list[tu
 # activation -> the coefficient family its generated module was printed from
 FAMILIES = {{
 {families}
+}}
+
+# activation -> the family of its q for y stored in bf16 or fp16 (coeffs/defaults_16bit.json)
+FAMILIES_16BIT = {{
+{families_16bit}
 }}
 
 # activation -> (its module class in invact._generated.modules, the keyword arguments that select it)

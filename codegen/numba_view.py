@@ -10,6 +10,7 @@ import sympy
 from codegen import spec
 from codegen.coeffs_json import CoeffFile
 from codegen.common import RUNTIME, header, per_branch, q_functions, rel, sha256
+from codegen.half import numba16_view
 from codegen.near_tables import near_table
 from codegen.numba_templates import (
     BRANCH_BIT,
@@ -202,9 +203,13 @@ def numba_view(c: CoeffFile) -> str:
     return f"{q_functions(c, ScalarPrinter(), '_scalar')}{pieces}{_numba_kernel(c, has_split)}"
 
 
-def render_cpu(c: CoeffFile, sources: list[tuple[str, str]]) -> str:
+def render_cpu(c: CoeffFile, sources: list[tuple[str, str]], c16: CoeffFile | None = None) -> str:
+    """The numba view of `c`, and with `c16` its 16-bit q and kernel (codegen.half)."""
     title = f"{c.activation}, family {c.family!r}: q {per_branch(c)} as fp32 scalar functions for numba,"
-    title += " and the backward kernel compiled from them."
+    title += " and the backward kernel compiled from them"
+    title += f"; q16 from family {c16.family!r} for 16-bit y." if c16 else "."
+    sixteen = numba16_view(c16) if c16 else ""
+    imports16 = "from invact._cpu_math import _f32_as_i32, _i32_as_f32  # noqa: F401\n" if c16 else ""
     return f'''{header(sources)}"""{title}"""
 
 import math  # noqa: F401
@@ -214,6 +219,6 @@ import numpy as np
 
 from invact import _lookup  # noqa: F401
 from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
+{imports16}
 
-
-{numba_view(c)}'''
+{numba_view(c)}{sixteen}'''

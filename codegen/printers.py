@@ -93,12 +93,13 @@ class TritonPrinter(_ElementwisePrinter):
     # came out within 1.3 ulp on an H100, inside the tests' fp32 margin, while sqrt_rn slowed the bf16
     # backward, which is compute-bound there, by 15% (gelu, 2^25 elements).
     SQRT, EXP, LOG, ABS, WHERE = "tl.sqrt", "tl.exp", "tl.log", "tl.abs", "tl.where"
-    # fp32 forms that need no libdevice (the CPU interpreter has none): no tanh, erfc or softplus here
-    # (an activation that uses them gives its Triton forward as a formula without them, spec `triton`).
+    # fp32 forms that need no libdevice (the CPU interpreter has none): no tanh or erfc here (an
+    # activation that uses them gives its Triton forward as a formula without them, spec `triton`).
     FUNCTIONS = {
         "erf": "tl.erf({})",
-        "log1p": "_log1p({})",  # a helper printed in the module (codegen.torch_view, codegen.triton_view)
-        "expm1": "_expm1({})",  # a helper printed in the module (codegen.torch_view, codegen.triton_view)
+        "log1p": "_log1p({})",  # a helper printed in the module (codegen.triton_view)
+        "expm1": "_expm1({})",  # a helper printed in the module (codegen.triton_view)
+        "softplus": "_softplus({})",  # a helper printed in the module (codegen.triton_view)
         "Phi": "(0.5 * (1.0 + tl.erf(0.7071067811865476 * ({}))))",
         "sigmoid": "(1.0 / (1.0 + tl.exp(-({}))))",
     }

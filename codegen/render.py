@@ -6,6 +6,8 @@ printer module per target:
 - `<act>_cpu.py` (codegen.numba_view, with codegen.numba_templates and codegen.near_tables): the same
   formulas as fp32 scalar functions, and the numba backward kernels compiled from them.
 - `<act>_triton.py` (codegen.triton_view): the same formulas as @triton.jit device functions.
+- In the torch and Triton views, q16_left/q16_right: q for y stored in bf16 or fp16, printed from the
+  family coeffs/defaults_16bit.json names for the activation (codegen.half), else aliases of q.
 - `__init__.py`, `modules.py`, `functional.py` (codegen.index_view): the activations and the
   coefficient file each was generated from, the runtime's tables (module classes, the classes and
   functions patch() replaces, the classes it skips), and the torch-compatible module classes and
@@ -23,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from codegen import spec
-from codegen.coeffs_json import loads
+from codegen.coeffs_json import CoeffFile, loads
 from codegen.common import COEFFS, GENERATED, ROOT, rel, sha256
 from codegen.index_view import render_index, render_modules
 from codegen.numba_view import cpu_runtime_sources, render_cpu
@@ -62,20 +64,40 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
     missing = sorted(set(defaults) - set(entries))
     if missing:  # checked before any table is printed: each reads the activation's entry
         raise ValueError(f"{defaults_name}: {missing[0]!r} has no entry in {spec_name}")
-    files = {"__init__.py": render_index(defaults, the_spec, index_sources)}
+    sixteen = {}  # optional: without it every dtype evaluates the default family's q
+    if (coeffs_dir / "defaults_16bit.json").is_file():
+        sixteen_name, sixteen_bytes = source(coeffs_dir / "defaults_16bit.json")
+        try:
+            sixteen = json.loads(sixteen_bytes)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{sixteen_name}: not valid JSON ({e})") from None
+        if not (isinstance(sixteen, dict) and all(isinstance(v, str) for v in sixteen.values())):
+            raise ValueError(f"{sixteen_name}: expected an object of activation -> family names")
+        strays = sorted(set(sixteen) - set(defaults))
+        if strays:
+            raise ValueError(f"{sixteen_name}: {strays[0]!r} is not in {defaults_name}")
+        index_sources.append((sixteen_name, sha256(sixteen_bytes)))
+    files = {"__init__.py": render_index(defaults, the_spec, index_sources, sixteen)}
     cpu_runtime = cpu_runtime_sources()
     generated = {a: entries[a] for a in sorted(defaults)}
     files["modules.py"], files["functional.py"] = render_modules(generated, [(spec_name, sha256(spec_bytes))])
-    for activation, family in sorted(defaults.items()):
+
+    def coefficients(activation: str, family: str) -> tuple[CoeffFile, tuple[str, str]]:
         path = coeffs_dir / activation / f"{family}.json"
         name, data = source(path)
         try:
-            c = loads(data.decode("utf-8"), path)
+            return loads(data.decode("utf-8"), path), (name, sha256(data))
         except UnicodeDecodeError:
             raise ValueError(f"{path}: not UTF-8 text") from None
-        sources = [(name, sha256(data))]
-        with_spec = [(spec_name, sha256(spec_bytes)), *sources]
-        files[f"{activation}.py"] = render_torch(c, with_spec, entries[activation])
-        files[f"{activation}_cpu.py"] = render_cpu(c, [*sources, *cpu_runtime])
-        files[f"{activation}_triton.py"] = render_triton(c, with_spec, entries[activation])
+
+    for activation, family in sorted(defaults.items()):
+        c, c_source = coefficients(activation, family)
+        c16, c16_sources = None, []
+        if activation in sixteen:
+            c16, c16_source = coefficients(activation, sixteen[activation])
+            c16_sources = [c16_source]
+        with_spec = [(spec_name, sha256(spec_bytes)), c_source, *c16_sources]
+        files[f"{activation}.py"] = render_torch(c, with_spec, entries[activation], c16)
+        files[f"{activation}_cpu.py"] = render_cpu(c, [c_source, *c16_sources, *cpu_runtime], c16)
+        files[f"{activation}_triton.py"] = render_triton(c, with_spec, entries[activation], c16)
     return files

@@ -11,7 +11,7 @@ Schema `invact-activations/1`: {"schema", "about", "activations": {name: entry}}
   `{"function": a name in torch.nn.functional, "kwargs": {...}}` (and `"clamp": [lo, hi]`, torch.clamp
   of its result), or `{"formula": a formula in x}` printed with torch's functions;
 - `triton`: the fp32 forward of the Triton kernels, as a formula in x, where `f` uses a function with no
-  Triton form (tanh, erfc, softplus) or needs torch's own cut-offs (softplus is x past 20); else `f`;
+  Triton form (tanh, erfc) or needs torch's own cut-offs; else `f`;
 - `monotone`: true for an increasing f: one branch, no bit (default false);
 - `exact_q`: f'(f^-1(y)) as a formula in y, where it has a closed form (the `exact` family): one
   formula for a monotone f, else `{"left": ..., "right": ...}`, one per branch (hardswish);
@@ -199,14 +199,11 @@ def _entry(name: str, doc: Any) -> Entry:
 
 def _triton_form(f: sympy.Expr) -> sympy.Expr:
     """f with the functions that have no Triton form rewritten into ones that do: tanh z =
-    2 sigmoid(2z) - 1, erfc z = 1 - erf z, softplus z = z past 20 (torch's cut-off) else log1p(e^z)."""
-    from sympy.codegen.cfunctions import log1p
-
-    from codegen.functions import sigmoid, softplus
+    2 sigmoid(2z) - 1, erfc z = 1 - erf z."""
+    from codegen.functions import sigmoid
 
     f = f.replace(sympy.tanh, lambda z: 2 * sigmoid(2 * z) - 1)
-    f = f.replace(sympy.erfc, lambda z: 1 - sympy.erf(z))
-    return f.replace(softplus, lambda z: sympy.Piecewise((z, z > 20), (log1p(sympy.exp(z)), True)))
+    return f.replace(sympy.erfc, lambda z: 1 - sympy.erf(z))
 
 
 def expression_entry(name: str, text: str, monotone: bool = False) -> Entry:

@@ -9,6 +9,7 @@ from codegen import spec
 from codegen.coeffs_json import CoeffFile
 from codegen.common import errors_doc, header, per_branch, q_functions
 from codegen.functions import fold_constants
+from codegen.half import LOG16_TORCH, Torch16Printer, q16_functions
 from codegen.printers import ReferenceTorchPrinter, TorchPrinter, function_body
 
 _SOFTPLUS_TORCH = '''
@@ -58,9 +59,12 @@ def df64(x: torch.Tensor) -> torch.Tensor:
     return text + (_SOFTPLUS_TORCH if "_softplus(" in text else "")
 
 
-def render_torch(c: CoeffFile, sources: list[tuple[str, str]], entry: spec.Entry) -> str:
+def render_torch(c: CoeffFile, sources: list[tuple[str, str]], entry: spec.Entry, c16: CoeffFile | None = None
+                 ) -> str:  # fmt: skip
+    """The torch view of `c`, with q16_left/q16_right from `c16` (codegen.half) or aliases."""
     errors = {name: b.errors for name, b in c.branches.items()}
     floors = {name: b.storage_floor for name, b in c.branches.items()}
+    errors16 = {name: b.errors for name, b in (c16 or c).branches.items()}
     title = f"{c.activation}, family {c.family!r}: q(y) ~ f'(f^-1(y)) {per_branch(c)}, on tensors."
     if c.monotone:
         split = f"""MONOTONE = True  # one branch ("right") for every x, no bit stored
@@ -70,6 +74,8 @@ Y_MIN = {_float(c.y_min)}  # inf f, the limit x -> -inf"""
         split = f"""MONOTONE = False
 THRESHOLD = {c.threshold!r}  # T = argmin f; bit 1 (left branch) where x < T
 Y_MIN = {c.y_min!r}  # f(T)"""
+    q16 = q16_functions(c, c16, Torch16Printer(), annotate=True)
+    q16 += LOG16_TORCH if "_log16(" in q16 else ""
     return f'''{header(sources)}"""{title}
 
 {errors_doc(c)}.
@@ -79,11 +85,14 @@ import torch
 
 ACTIVATION = {c.activation!r}
 FAMILY = {c.family!r}
+FAMILY_16BIT = {(c16 or c).family!r}  # the family of q16_left/q16_right, q for y in bf16 or fp16
 {split}
 # Measured by invact-fit (docs/fitting.md, "Error metrics"): per branch, max |q - f'(f^-1(y))| etc.
 ERRORS = {json.dumps(errors, sort_keys=True)}
 # Per branch and dtype: the error of the exact estimator once y is stored in that dtype.
 STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
+# The same metrics for q16_left/q16_right (FAMILY_16BIT's fit, log as printed there aside: codegen.half).
+ERRORS_16BIT = {json.dumps(errors16, sort_keys=True)}
 
 
 {_torch_forward(entry)}
@@ -91,4 +100,6 @@ STORAGE_FLOOR = {json.dumps(floors, sort_keys=True)}
 
 {_float64_views(entry)}
 
-{q_functions(c, TorchPrinter(), "", annotate=True)}'''
+{q_functions(c, TorchPrinter(), "", annotate=True)}
+
+{q16}'''

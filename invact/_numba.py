@@ -260,6 +260,24 @@ def find_kernels(act: Activation) -> Kernels:
     return Kernels(span, cpu.backward_kernel, bits, span_flags, span_bits)
 
 
+def _backward16(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
+                ) -> torch.Tensor:  # fmt: skip
+    """backward for y stored in bf16 or fp16, with the 16-bit q the GPU kernels evaluate
+    (Activation.q16): the numba view's backward16_kernel, one flag per element."""
+    y32, dy32 = y.float().contiguous(), dy.float().contiguous()
+    dx32 = torch.empty_like(y32)
+    arrays = y32.numpy().ravel(), dy32.numpy().ravel(), dx32.numpy().ravel()
+    if act.monotone:
+        act.cpu.backward16_kernel(*arrays)
+    else:
+        if precision_bit:
+            flags = _bits.int_view(y).contiguous().numpy().ravel()
+        else:
+            flags = np.unpackbits(bits.contiguous().numpy(), count=y32.numel(), bitorder="little")
+        act.cpu.backward16_kernel(arrays[0], flags, arrays[1], arrays[2])
+    return dx32.to(dy.dtype)
+
+
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
              ) -> torch.Tensor:  # fmt: skip
     """dx = dy * q(y, bit) for flat CPU tensors, or contiguous ones of one shape (dx then in y's).
@@ -268,6 +286,8 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a buffer that
     stays in cache). Up to one span (SERIAL) the span's serial function runs on this thread: the
     function the parallel kernel calls on its one span."""
+    if y.dtype in _portable._SIXTEEN_BIT and act.has_16bit_q:
+        return _backward16(act, y, bits, dy, precision_bit)
     k = act.numba_kernels
     y32 = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
     dy32 = dy if dy.dtype == torch.float32 and dy.is_contiguous() else dy.float().contiguous()

@@ -38,13 +38,35 @@ def _offsets(BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load(pointers, mask, EVEN: tl.constexpr):
+    """The values at `pointers`, 0 where `mask` is false. EVEN (n a multiple of BLOCK: every program's
+    block full) loads with no mask: a mask that may differ between neighbours keeps the compiler from
+    vectorizing (one 2-byte load per element in bf16, bits packed across threads by shuffles), and
+    without one each thread loads its 8 contiguous elements at once and packs their byte alone."""
+    if EVEN:
+        out = tl.load(pointers)
+    else:
+        out = tl.load(pointers, mask=mask, other=0)
+    return out
+
+
+@triton.jit
+def _store(pointers, values, mask, EVEN: tl.constexpr):
+    """`values` at `pointers` where `mask` (everywhere under EVEN, see _load)."""
+    if EVEN:
+        tl.store(pointers, values)
+    else:
+        tl.store(pointers, values, mask=mask)
+
+
+@triton.jit
 def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr, PRECISION_BIT: tl.constexpr,
-                    MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                    MONOTONE: tl.constexpr, EVEN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rest = tl.minimum(n - start, BLOCK).to(tl.int32)
     offs, x_ptr, y_ptr = _offsets(BLOCK), x_ptr + start, y_ptr + start
     mask = offs < rest
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _load(x_ptr + offs, mask, EVEN).to(tl.float32)
     left = x < T  # masked lanes hold 0 > T: never set a bit
     y = FN(x).to(y_ptr.dtype.element_ty)
     if MONOTONE:  # no bit at all
@@ -55,18 +77,19 @@ def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr
     else:  # byte r = sum over its row of bit << column: a reduction of 8 neighbours
         packed = tl.sum(left.to(tl.int32) << tl.arange(0, 8)[None, :], axis=1).to(tl.uint8)
         boffs = tl.arange(0, BLOCK // 8)
-        tl.store(bits_ptr + start // 8 + boffs, packed, mask=boffs < (rest + 7) // 8)
-    tl.store(y_ptr + offs, y, mask=mask)
+        _store(bits_ptr + start // 8 + boffs, packed, boffs < (rest + 7) // 8, EVEN)
+    _store(y_ptr + offs, y, mask, EVEN)
 
 
 @triton.jit
 def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: tl.constexpr,
-                     PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                     PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, EVEN: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rest = tl.minimum(n - start, BLOCK).to(tl.int32)
     offs, y_ptr, dy_ptr, dx_ptr = _offsets(BLOCK), y_ptr + start, dy_ptr + start, dx_ptr + start
     mask = offs < rest
-    y_raw = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    y_raw = _load(y_ptr + offs, mask, EVEN)
     y = y_raw.to(tl.float32)
     if MONOTONE:  # one branch, no bit; q itself at y = +-inf (x = +-inf), NaN stays NaN
         q = tl.where(y == y, QR(y), float("nan"))
@@ -75,12 +98,12 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
             left = (_int_view(y_raw) & 1) != 0
         else:  # one byte load per row of 8, shifted across the row
             boffs = tl.arange(0, BLOCK // 8)
-            byte = tl.load(bits_ptr + start // 8 + boffs, mask=boffs < (rest + 7) // 8, other=0).to(tl.int32)
+            byte = _load(bits_ptr + start // 8 + boffs, boffs < (rest + 7) // 8, EVEN).to(tl.int32)
             left = ((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1) != 0
         q = tl.where(left, QL(y), QR(y))
         q = tl.where(tl.abs(y) < float("inf"), q, float("nan"))  # y = +-inf or NaN: NaN, as torch
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dx_ptr + offs, (dy * q).to(dx_ptr.dtype.element_ty), mask=mask)
+    dy = _load(dy_ptr + offs, mask, EVEN).to(tl.float32)
+    _store(dx_ptr + offs, (dy * q).to(dx_ptr.dtype.element_ty), mask, EVEN)
 
 
 @dataclass(frozen=True)
@@ -133,6 +156,7 @@ def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
         with torch.cuda.device(device):
             return _launch(kernel, config, n, *tensors, **constexprs)
     grid = (triton.cdiv(max(n, 1), config.block), 1, 1)
+    constexprs["EVEN"] = n % config.block == 0
     key = _specialization(kernel, config, n, tensors, constexprs)
     hit = _COMPILED.get(key)
     if hit is not None:
@@ -155,29 +179,37 @@ def forward_constexprs(act: Activation, precision_bit: bool) -> dict:
                 MONOTONE=monotone)  # fmt: skip
 
 
-def backward_constexprs(act: Activation, precision_bit: bool) -> dict:
-    """_backward_kernel's constexpr arguments for `act` (BLOCK aside)."""
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def backward_constexprs(act: Activation, precision_bit: bool, dtype: torch.dtype = torch.float32) -> dict:
+    """_backward_kernel's constexpr arguments for `act` on y of `dtype` (BLOCK and EVEN aside): q, or
+    for bf16 and fp16 q16, the 16-bit family's (Activation.q16)."""
     view = act.triton
-    return dict(QL=view.q_left or view.q_right, QR=view.q_right, PRECISION_BIT=precision_bit,
-                MONOTONE=view.q_left is None)  # fmt: skip
+    left, right = (view.q16_left, view.q16_right) if dtype in _SIXTEEN_BIT else (view.q_left, view.q_right)
+    return dict(QL=left or right, QR=right, PRECISION_BIT=precision_bit, MONOTONE=view.q_left is None)
 
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
 
 def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit: bool, arch: int = 90,
-                index: str = "i32"):  # fmt: skip
+                index: str = "i32", even: bool = True):  # fmt: skip
     """Triton's compiled kernel ("forward" or "backward") for `act` on tensors of `dtype`, built for
     NVIDIA compute capability `arch` (90: H100/H200, 80: A100) as the launches specialize it, with n
-    of type `index` ("i64" past 2^31 elements). Needs no GPU (Triton's compiler and the ptxas it ships
+    of type `index` ("i64" past 2^31 elements), a multiple of the block (`even`, no masks) or not.
+    Needs no GPU (Triton's compiler and the ptxas it ships
     run on the CPU), but the real compiler: not under TRITON_INTERPRET=1. Its .asm holds the PTX and
     the cubin."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     function = {"forward": _forward_kernel, "backward": _backward_kernel}[kernel]
-    constexprs = {"forward": forward_constexprs, "backward": backward_constexprs}[kernel](act, precision_bit)
-    constexprs["BLOCK"] = CONFIGS[kernel].block
+    if kernel == "forward":
+        constexprs = forward_constexprs(act, precision_bit)
+    else:
+        constexprs = backward_constexprs(act, precision_bit, dtype)
+    constexprs["EVEN"], constexprs["BLOCK"] = even, CONFIGS[kernel].block
     signature = {}
     for arg in function.arg_names:
         if arg in constexprs:
@@ -186,8 +218,15 @@ def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit:
             signature[arg] = "*u8" if arg == "bits_ptr" else _POINTER_TYPES[dtype]
         else:
             signature[arg] = index
+    # What Triton's launcher adds for aligned arguments ("D" in its specialization key): pointers
+    # 16-byte aligned (torch's allocations are), and n divisible by 16 when it fills whole blocks.
+    # Without it the compiler may not assume aligned addresses and loads one element at a time.
+    aligned = [i for i, arg in enumerate(function.arg_names) if arg.endswith("_ptr") or (arg == "n" and even)]
     source = ASTSource(
-        function, signature, constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()}
+        function,
+        signature,
+        constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     return triton.compile(
         source, target=GPUTarget("cuda", arch, 32), options={"num_warps": CONFIGS[kernel].num_warps}
@@ -215,6 +254,6 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     n = y.numel()
     dx = torch.empty_like(dy)
     if n:
-        constexprs = backward_constexprs(act, precision_bit)
+        constexprs = backward_constexprs(act, precision_bit, y.dtype)
         _launch(_backward_kernel, config or CONFIGS["backward"], n, y, bits, dy, dx, **constexprs)
     return dx

@@ -26,11 +26,15 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
 class TritonView(NamedTuple):
-    """The @triton.jit device functions: forward f(x) and q per branch (q_left None when monotone)."""
+    """The @triton.jit device functions: forward f(x) and q per branch (q_left None when monotone),
+    and q16 per branch, q for y stored in bf16 or fp16 (the same functions as q where the activation
+    has no 16-bit family)."""
 
     forward: Callable
     q_left: Callable | None
     q_right: Callable
+    q16_left: Callable | None
+    q16_right: Callable
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,13 @@ class Activation:
     @functools.cached_property
     def triton(self) -> TritonView:
         """The Triton view (imports triton)."""
-        if self.emitted is not None:  # one module: its Triton functions carry a prefix
+        if self.emitted is not None:  # one module: its Triton functions carry a prefix, q serves 16 bits
             m = self.emitted
-            return TritonView(m.triton_forward, getattr(m, "triton_q_left", None), m.triton_q_right)
+            q_left = getattr(m, "triton_q_left", None)
+            return TritonView(m.triton_forward, q_left, m.triton_q_right, q_left, m.triton_q_right)
         m = self._view("_triton")
-        return TritonView(m.forward, getattr(m, "q_left", None), m.q_right)
+        q_left, q16_left = getattr(m, "q_left", None), getattr(m, "q16_left", None)
+        return TritonView(m.forward, q_left, m.q_right, q16_left, m.q16_right)
 
     @functools.cached_property
     def numba_kernels(self):
@@ -99,6 +105,18 @@ class Activation:
     def monotone(self) -> bool:
         """f is monotone: y alone gives x, so no branch bit is stored."""
         return self.generated.MONOTONE
+
+    @property
+    def q16(self) -> tuple[Fn | None, Fn]:
+        """(q16_left, q16_right) on fp32 tensors: q for y stored in bf16 or fp16 (q_left, q_right
+        where the activation has no 16-bit family, as an emitted activation)."""
+        g = self.generated  # an emitted module has no q16: its q serves every dtype
+        return getattr(g, "q16_left", getattr(g, "q_left", None)), getattr(g, "q16_right", g.q_right)
+
+    @property
+    def has_16bit_q(self) -> bool:
+        """Its 16-bit q is another family's than its fp32 q (coeffs/defaults_16bit.json)."""
+        return getattr(self.generated, "q16_right", None) not in (None, self.generated.q_right)
 
     @property
     def closed_form(self) -> bool:

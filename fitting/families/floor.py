@@ -98,15 +98,15 @@ class Piece:
     def z(self, y: Numeric) -> Numeric:
         return (2.0 * self.numeric(self.v, y) - (self.v_lo + self.v_hi)) / (self.v_hi - self.v_lo)
 
-    def start(self, y: Numeric, t: Numeric) -> tuple[list[float], float]:
-        """The smallest degree whose least-squares fit is within GOAL/2 (else MAX_DEGREE): monomial
+    def start(self, y: Numeric, t: Numeric, goal: float = GOAL) -> tuple[list[float], float]:
+        """The smallest degree whose least-squares fit is within goal/2 (else MAX_DEGREE): monomial
         coefficients in z and the fit's max error on y."""
         z, a, b = self.z(y), self.numeric(self.a, y), self.numeric(self.b, y)
         for degree in range(2, MAX_DEGREE + 1):
             basis = chebyshev.chebvander(z, degree) * b[:, None]
             coef, *_ = np.linalg.lstsq(basis, t - a, rcond=None)
             err = float(np.max(np.abs(basis @ coef + a - t)))
-            if err <= GOAL / 2:
+            if err <= goal / 2:
                 break
         return [float(c) for c in chebyshev.cheb2poly(coef)], err
 
@@ -136,9 +136,14 @@ def _samples(act: Activation, branch: Branch) -> tuple[Numeric, Numeric]:
     return y, target(act, y, branch)
 
 
-def _last_y_beyond(y: Numeric, excess: Numeric) -> float:
-    """The largest y where `excess` (|q - limit|) is still above CUT."""
-    return _rounded(y[np.flatnonzero(excess > CUT).max()])
+def _cut(goal: float) -> float:
+    """How close q must be to its limit past a cap: CUT for GOAL, in proportion for another goal."""
+    return CUT * goal / GOAL
+
+
+def _last_y_beyond(y: Numeric, excess: Numeric, goal: float = GOAL) -> float:
+    """The largest y where `excess` (|q - limit|) is still above the cut."""
+    return _rounded(y[np.flatnonzero(excess > _cut(goal)).max()])
 
 
 # The CPU kernel's cost model (invact/_generated/<act>_cpu.py, _backward_span): every element pays
@@ -163,6 +168,7 @@ class Split:
     degrees: tuple[int, int]
     errors: tuple[float, float]
     far_share: float
+    goal: float = GOAL
 
     @property
     def cost(self) -> float:
@@ -171,13 +177,21 @@ class Split:
         return self.degrees[0] + far_blocks * (self.degrees[1] + FAR_STEPS)
 
     @property
+    def lane_cost(self) -> int:
+        """Horner steps per element where every element computes both pieces and selects one (a GPU
+        kernel: the lanes of a warp run in step); the far piece's transform costs the same at any split."""
+        return sum(self.degrees)
+
+    @property
     def reaches_goal(self) -> bool:
-        return max(self.errors) <= GOAL / 2
+        return max(self.errors) <= self.goal / 2
 
 
-def best_split(splits: list[Split]) -> Split:
-    """The cheapest split (block cost) of those whose starts reach GOAL/2; of all if none does."""
-    return min([s for s in splits if s.reaches_goal] or splits, key=lambda s: s.cost)
+def best_split(splits: list[Split], lanes: bool = False) -> Split:
+    """The cheapest split of those whose starts reach goal/2 (of all if none does): by block cost, or
+    by lane cost with `lanes`."""
+    cost = (lambda s: (s.lane_cost, s.cost)) if lanes else (lambda s: s.cost)
+    return min([s for s in splits if s.reaches_goal] or splits, key=cost)
 
 
 def _far_share(act: Activation, branch: Branch, split: float) -> float:
@@ -187,22 +201,23 @@ def _far_share(act: Activation, branch: Branch, split: float) -> float:
     return float(special.ndtr(x) if branch == "left" else special.ndtr(-x))
 
 
-def _two_pieces(act: Activation, branch: Branch, y: Numeric, t: Numeric, split: float, near: Piece, far: Piece
-                ) -> Split:  # fmt: skip
+def _two_pieces(act: Activation, branch: Branch, y: Numeric, t: Numeric, split: float, near: Piece,
+                far: Piece, goal: float = GOAL) -> Split:  # fmt: skip
     """Piecewise((near, y < split), (far, True)) with fitted starts."""
     inside = y < split
-    c_near, e_near = near.start(y[inside], t[inside])
-    c_far, e_far = far.start(y[~inside], t[~inside])
+    c_near, e_near = near.start(y[inside], t[inside], goal)
+    c_far, e_far = far.start(y[~inside], t[~inside], goal)
     c = coefficient_symbols(len(c_near) + len(c_far))
     expression = Piecewise(
         (near.expression(c[: len(c_near)]), Y < _f(split)), (far.expression(c[len(c_near) :]), True)
     )
     start = {f"c{i}": v for i, v in enumerate(c_near + c_far)}
     share = _far_share(act, branch, split) if branch in ("left", "right") else 0.0
-    return Split(BranchForm(expression, start), (len(c_near) - 1, len(c_far) - 1), (e_near, e_far), share)
+    degrees = (len(c_near) - 1, len(c_far) - 1)
+    return Split(BranchForm(expression, start), degrees, (e_near, e_far), share, goal)
 
 
-def left_form(act: Activation, split_fraction: float) -> Split:
+def left_form(act: Activation, split_fraction: float, goal: float = GOAL) -> Split:
     y, t = _samples(act, "left")
     if not (act.y_min < 0 and y[-1] < 0 and abs(t[-1]) < _DECAY_TAIL):  # the far piece is y P(w)
         shape = f"{act.name} has f = {y[-1]:.4g}, f' = {t[-1]:.4g} at x = -20"
@@ -210,11 +225,11 @@ def left_form(act: Activation, split_fraction: float) -> Split:
                             f"as x -> -inf; {shape}")  # fmt: skip
     y, t = y[y < 0], t[y < 0]
     split = _rounded(split_fraction * act.y_min)
-    w_cap = _rounded(np.sqrt(-np.log(-_last_y_beyond(y, np.abs(t)))))
+    w_cap = _rounded(np.sqrt(-np.log(-_last_y_beyond(y, np.abs(t), goal))))
     w = sqrt(-log(Max(-Y, _f(FP32_TINY))))
     near = Piece(sympy.S.Zero, sympy.S.One, _s(act), 0.0, _rounded(np.sqrt(split - act.y_min)))
     far = Piece(sympy.S.Zero, Y, Min(w, _f(w_cap)), _rounded(np.sqrt(-np.log(-split))), w_cap)
-    return _two_pieces(act, "left", y, t, split, near, far)
+    return _two_pieces(act, "left", y, t, split, near, far, goal)
 
 
 _DECAY_TAIL = 1e-3  # estimate_decay fits k where CUT < |q - 1| < this: the tail, past f' - 1's sign changes
@@ -240,7 +255,7 @@ def _limit_is_one(act: Activation, y: Numeric, t: Numeric) -> None:
                             f"{act.name}'s f' is {t[-1]:.4g} at x = 20")  # fmt: skip
 
 
-def right_form(act: Activation, split: float) -> Split:
+def right_form(act: Activation, split: float, goal: float = GOAL) -> Split:
     y, t = _samples(act, "right")
     _limit_is_one(act, y, t)
     if act.right_decay is None:
@@ -248,11 +263,11 @@ def right_form(act: Activation, split: float) -> Split:
     else:
         decay = parse(act.right_decay, {"y": Y}, where=f"{act.name}: right_decay")
     decay = decay.subs(Y, Max(Y, _f(act.y_min)))
-    s_cap = _rounded(np.sqrt(_last_y_beyond(y, np.abs(t - 1)) - act.y_min))
+    s_cap = _rounded(np.sqrt(_last_y_beyond(y, np.abs(t - 1), goal) - act.y_min))
     s_split = _rounded(np.sqrt(split - act.y_min))
     near = Piece(sympy.S.Zero, sympy.S.One, _s(act), 0.0, s_split)
     far = Piece(sympy.S.One, exp(-decay), Min(_s(act), _f(s_cap)), s_split, s_cap)
-    return _two_pieces(act, "right", y, t, split, near, far)
+    return _two_pieces(act, "right", y, t, split, near, far, goal)
 
 
 # A monotone activation bounded on both sides (CDF- or sigmoid-shaped: laplace): q -> 0 at both ends.
@@ -265,15 +280,15 @@ def right_form(act: Activation, split: float) -> Split:
 _FAR_X = 1e4  # y_max = f(_FAR_X): f is flat to float64 there when f'(20) < CUT
 
 
-def _tail_piece(distance: sympy.Expr, scale: float, d: Numeric, t: Numeric) -> Piece:
-    """q = distance * P(w), w = sqrt(-log(distance / scale)) capped where |q| < CUT; `d` the samples'
-    distance, `t` their targets."""
+def _tail_piece(distance: sympy.Expr, scale: float, d: Numeric, t: Numeric, goal: float = GOAL) -> Piece:
+    """q = distance * P(w), w = sqrt(-log(distance / scale)) capped where |q| < the cut; `d` the
+    samples' distance, `t` their targets."""
     w = sqrt(-log(Max(distance * _f(1.0 / scale), _f(FP32_TINY))))
-    cap = _rounded(np.sqrt(-np.log(d[np.flatnonzero(np.abs(t) > CUT)].min() / scale)))
+    cap = _rounded(np.sqrt(-np.log(d[np.flatnonzero(np.abs(t) > _cut(goal))].min() / scale)))
     return Piece(sympy.S.Zero, distance, Min(w, _f(cap)), _rounded(np.sqrt(np.log(2.0))), cap)
 
 
-def monotone_form(act: Activation) -> Split:
+def monotone_form(act: Activation, goal: float = GOAL) -> Split:
     y, t = _samples(act, "right")
     with np.errstate(all="ignore"):
         y_max, slope_end = float(act.f(np.float64(_FAR_X))), float(act.df(np.float64(SHAPE_GRID[-1])))
@@ -288,9 +303,9 @@ def monotone_form(act: Activation) -> Split:
     u = Max(Y - lo_hi, sympy.S.Zero) - lo_lo  # y - y_min
     v = Max(hi_hi - Y, sympy.S.Zero) + hi_lo  # y_max - y
     below = y < split
-    low = _tail_piece(u, 2 * (split - act.y_min), y[below] - act.y_min, t[below])
-    high = _tail_piece(v, 2 * (y_max - split), y_max - y[~below], t[~below])
-    return _two_pieces(act, "monotone", y, t, split, low, high)
+    low = _tail_piece(u, 2 * (split - act.y_min), y[below] - act.y_min, t[below], goal)
+    high = _tail_piece(v, 2 * (y_max - split), y_max - y[~below], t[~below], goal)
+    return _two_pieces(act, "monotone", y, t, split, low, high, goal)
 
 
 @register("floor", native=True, monotone=True)
@@ -309,3 +324,24 @@ def floor(act: Activation) -> Family:
         source="invact 'floor' family: piecewise Horner polynomials in sqrt(y - y_min), sqrt(-log(-y)), "
         "times the activation's own right-tail decay (fitting/families/floor.py)",
     )
+
+
+# The 'half' family: the same forms for 16-bit outputs (bf16, fp16), whose kernels run compute-bound
+# on a GPU at the fp32 family's degrees (benchmarks/kernel_sass.py). A stored 16-bit y already moves q
+# by the dtype's storage floor (gelu at the cusp: 1.4e-2 in bf16, 6.5e-3 in fp16, against 4.8e-5 in
+# fp32), and dx is rounded to 16 bits (2^-12 relative in fp16): GOAL_16BIT keeps q's own error under a
+# tenth of fp16's half-ulp at q ~ 1, so InvAct's 16-bit gradient error stays the stored y's. Every
+# element of a GPU warp computes both pieces of its branch, so the split minimizes their degrees' sum.
+GOAL_16BIT = 5e-5
+
+
+@register("half", native=True, monotone=True)
+def half(act: Activation) -> Family:
+    source = ("invact 'half' family: the 'floor' forms at error 5e-5 for 16-bit outputs, splits chosen "
+              "for GPU lanes (fitting/families/floor.py)")  # fmt: skip
+    if act.monotone:
+        return Family("half", act.name, {"right": monotone_form(act, GOAL_16BIT).form}, published=False,
+                      source=source)  # fmt: skip
+    left = best_split([left_form(act, f, GOAL_16BIT) for f in LEFT_SPLITS], lanes=True)
+    right = best_split([right_form(act, s, GOAL_16BIT) for s in RIGHT_SPLITS], lanes=True)
+    return Family("half", act.name, {"left": left.form, "right": right.form}, published=False, source=source)

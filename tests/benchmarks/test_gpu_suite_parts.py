@@ -92,22 +92,25 @@ def test_host_time_bad_arguments(flag):
 
 
 def test_kernel_sass_counts_instructions_against_the_budget(tmp_path):
-    """Compiled for sm_90 here (no GPU needed): relu2's kernels, whose backward is a square root."""
+    """Compiled for sm_90 here (no GPU needed): relu2's kernels, whose backward is a square root, with
+    the masked (tail) kernels too; fp16 takes bf16's copy (the tune file times no fp16 copy)."""
     out = tmp_path / "sass.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = str(ROOT / "benchmarks" / "kernel_sass.py")
-    command = [sys.executable, script, "--only", "relu2", "--out", str(out)]
+    command = [sys.executable, script, "--only", "relu2", "--tails", "--out", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["kernel"], r["dtype"]) for r in rows] == [
-        ("forward", "float32"), ("forward", "bfloat16"), ("backward", "float32"), ("backward", "bfloat16")
-    ]  # fmt: skip
+    dtypes = ("float32", "bfloat16", "float16")
+    want = [(k, d, full) for k in ("forward", "backward") for d in dtypes for full in (True, False)]
+    assert [(r["kernel"], r["dtype"], r["full_blocks"]) for r in rows] == want
+    copy = {r["dtype"]: r["copy_gbps"] for r in rows}
+    assert copy["float16"] == copy["bfloat16"] != copy["float32"]
     for r in rows:
         assert r["instructions_per_element"] > 0 and sum(r["top_opcodes"].values()) > 0
         share = min(1, r["budget_per_element"] / r["instructions_per_element"])
         assert r["predicted_gbps"] == r["copy_gbps"] * share
-    assert "| relu2 | backward | bfloat16 |" in proc.stdout
+    assert "| relu2 | backward | bfloat16 | full |" in proc.stdout and "| tail |" in proc.stdout
 
 
 @pytest.mark.parametrize(

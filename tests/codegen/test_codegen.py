@@ -20,6 +20,8 @@ from fitting.evaluate import compile_q
 
 DEFAULTS = json.loads((COEFFS / "defaults.json").read_text())
 DEFAULT_FILES = sorted(COEFFS / activation / f"{family}.json" for activation, family in DEFAULTS.items())
+DEFAULTS_16BIT = json.loads((COEFFS / "defaults_16bit.json").read_text())
+FILES_16BIT = sorted(COEFFS / activation / f"{family}.json" for activation, family in DEFAULTS_16BIT.items())
 
 
 def test_generated_files_are_up_to_date():
@@ -50,10 +52,15 @@ def test_headers_name_the_sources_and_their_sha256():
     spec = _source_line(ROOT / "coeffs" / "activations.json")
     cpu_runtime = [_source_line(ROOT / "invact" / name) for name in ("_cpu_math.py", "_lookup.py")]
     for path in DEFAULT_FILES:
-        # the torch and Triton modules print views of the spec entry too; the numba one only q, and
-        # names the runtime code its cached kernels compile in (an edit there regenerates it)
-        for suffix, want in (("", [spec, _source_line(path)]), ("_cpu", [_source_line(path), *cpu_runtime]),
-                             ("_triton", [spec, _source_line(path)])):  # fmt: skip
+        # every module prints the 16-bit q from its family's file too; the torch and Triton modules
+        # print views of the spec entry, and the numba one names the runtime code its cached kernels
+        # compile in (an edit there regenerates it)
+        activation = path.parent.name
+        sixteen = [_source_line(COEFFS / activation / f"{DEFAULTS_16BIT[activation]}.json")] if (
+            activation in DEFAULTS_16BIT) else []  # fmt: skip
+        for suffix, want in (("", [spec, _source_line(path), *sixteen]),
+                             ("_cpu", [_source_line(path), *sixteen, *cpu_runtime]),
+                             ("_triton", [spec, _source_line(path), *sixteen])):  # fmt: skip
             lines = (GENERATED / f"{path.parent.name}{suffix}.py").read_text().splitlines()
             assert [line for line in lines if line.startswith("# source: ")] == want
 
@@ -68,6 +75,31 @@ def test_generated_torch_functions_equal_the_expression(path):
         got = getattr(gen, f"q_{name}")(torch.from_numpy(y)).numpy()
         # The same float64 operations up to reassociation by the printers: measured <= 4.7e-16 relative.
         np.testing.assert_allclose(got, want, rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("path", FILES_16BIT, ids=[p.parent.name for p in FILES_16BIT])
+def test_generated_16bit_functions_equal_the_expression_but_for_log(path):
+    """q16 prints the 16-bit family's expression with log as _log16 (codegen.half): in float64 with
+    log in its place, the same values as the expression to reassociation (the bound above)."""
+    coeffs = load(path)
+    gen = importlib.import_module(f"invact._generated.{coeffs.activation}")
+    assert gen.FAMILY_16BIT == coeffs.family
+    y = np.concatenate([np.linspace(coeffs.y_min - 0.01, 25.0, 20001), [-3e38, 3e38, 0.0, coeffs.y_min]])
+    for name, branch in coeffs.branches.items():
+        want = compile_q(branch.sympy_expression())(y)
+        q16 = getattr(gen, f"q16_{name}")
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(gen, "_log16", torch.log, raising=False)
+            got = q16(torch.from_numpy(y)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-15, atol=1e-15)
+
+
+def test_an_activation_without_a_16bit_family_aliases_q():
+    for activation in sorted(set(DEFAULTS) - set(DEFAULTS_16BIT)):
+        gen = importlib.import_module(f"invact._generated.{activation}")
+        trit = importlib.import_module(f"invact._generated.{activation}_triton")
+        assert gen.q16_right is gen.q_right and trit.q16_right is trit.q_right, activation
+        assert gen.FAMILY_16BIT == gen.FAMILY
 
 
 def test_monotone_module_has_one_branch_and_no_threshold():

@@ -33,7 +33,7 @@ def _run(*args):
             ["relu", "--family", "paper"],
             f"unknown activation 'relu' (choose from {', '.join(sorted(ACTIVATIONS))})",
         ),
-        (["gelu", "--family", "magic"], "unknown family 'magic' (choose from exact, floor, paper, search)"),
+        (["gelu", "--family", "magic"], "unknown family 'magic' (choose from exact, floor, half, paper, search)"),
         (
             ["gelu", "--family", "exact"],
             "family 'exact' has no form for 'gelu': no closed form of f'(f^-1(y)) is given for it "
@@ -43,7 +43,7 @@ def _run(*args):
             (
                 ["softplus", "--family", family],
                 f"softplus is monotone (one branch, no bit), and family '{family}' fits two branches: "
-                "use --family exact or --family floor",
+                "use --family exact or --family floor or --family half",
             )
             for family in ("paper", "search")
         ),
@@ -198,7 +198,7 @@ def test_unknown_family_lists_every_registered_family(tmp_path, capsys, monkeypa
     assert main(["gelu", "--family", "magic", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "invact-fit: error: unknown family 'magic' (choose from exact, floor, paper, search, zeta)\n"
+        "invact-fit: error: unknown family 'magic' (choose from exact, floor, half, paper, search, zeta)\n"
     )
 
 

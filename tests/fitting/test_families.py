@@ -64,7 +64,7 @@ def test_quick_gelu_is_silu_rescaled():
 
 
 def test_unknown_family_and_unsupported_activation():
-    with pytest.raises(UnknownFamily, match="unknown family 'nope' \\(choose from exact, floor, paper"):
+    with pytest.raises(UnknownFamily, match="unknown family 'nope' \\(choose from exact, floor, half, paper"):
         get_family("nope", "gelu")
     assert Y.name == "y"
 
@@ -123,7 +123,7 @@ def test_two_branch_families_refuse_a_monotone_activation():
         get_family("paper", "softplus")
     assert str(info.value) == (
         "softplus is monotone (one branch, no bit), and family 'paper' fits two branches: "
-        "use --family exact or --family floor"
+        "use --family exact or --family floor or --family half"
     )
 
 

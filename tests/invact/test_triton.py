@@ -12,7 +12,8 @@ from invact.activations import ACTIVATIONS  # noqa: E402
 
 NAMES = sorted(ACTIVATIONS)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SIZES = (1, 7, 8, 1000, 3 * _triton.BLOCK + 5)  # below one byte, one byte, tails, several programs
+# below one byte, one byte, tails, several programs, full blocks only (the unmasked EVEN kernels)
+SIZES = (1, 7, 8, 1000, 3 * _triton.BLOCK + 5, 2 * _triton.BLOCK)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
