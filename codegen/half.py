@@ -1,9 +1,11 @@
-"""q for 16-bit outputs: what the torch and Triton views print for y stored in bf16 or fp16.
+"""q for 16-bit outputs: what the torch, Triton and numba views print for y stored in bf16 or fp16.
 
 coeffs/defaults_16bit.json names, per activation, the family its 16-bit q is printed from (the 'half'
 family: the 'floor' forms at lower degree, fitting/families/floor.py); an activation it does not name
-evaluates its default family's q in every dtype. The views print that family's branches as q16_left and
-q16_right, or alias them to q_left and q_right.
+evaluates its default family's q in every dtype. The torch and Triton views print that family's
+branches as q16_left and q16_right, or alias them to q_left and q_right; the numba view prints
+q16_left_scalar and q16_right_scalar and a backward16_kernel from them (one plain loop: no near tables
+or far-piece blocks), or nothing, where invact._numba keeps the fp32 kernel.
 
 The 16-bit functions print log as `_log16`, a log without libdevice's special cases, in fewer
 instructions (an sm_90 Triton kernel: about 13 per element against tl.log's 25). For a positive normal
