@@ -46,13 +46,18 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
         data = replaced.get(path.resolve())
         return rel(path), path.read_bytes() if data is None else data
 
-    defaults_name, defaults_bytes = source(coeffs_dir / "defaults.json")
-    try:
-        defaults = json.loads(defaults_bytes)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{defaults_name}: not valid JSON ({e})") from None
-    if not (isinstance(defaults, dict) and all(isinstance(v, str) for v in defaults.values())):
-        raise ValueError(f"{defaults_name}: expected an object of activation -> family names")
+    def family_table(path: Path) -> tuple[dict[str, str], str, bytes]:
+        """activation -> family name from a JSON object (defaults.json, defaults_16bit.json)."""
+        name, data = source(path)
+        try:
+            table = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: not valid JSON ({e})") from None
+        if not (isinstance(table, dict) and all(isinstance(v, str) for v in table.values())):
+            raise ValueError(f"{name}: expected an object of activation -> family names")
+        return table, name, data
+
+    defaults, defaults_name, defaults_bytes = family_table(coeffs_dir / "defaults.json")
     try:
         spec_name, spec_bytes = source(coeffs_dir / "activations.json")
     except OSError as e:
@@ -66,13 +71,7 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
         raise ValueError(f"{defaults_name}: {missing[0]!r} has no entry in {spec_name}")
     sixteen = {}  # optional: without it every dtype evaluates the default family's q
     if (coeffs_dir / "defaults_16bit.json").is_file():
-        sixteen_name, sixteen_bytes = source(coeffs_dir / "defaults_16bit.json")
-        try:
-            sixteen = json.loads(sixteen_bytes)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{sixteen_name}: not valid JSON ({e})") from None
-        if not (isinstance(sixteen, dict) and all(isinstance(v, str) for v in sixteen.values())):
-            raise ValueError(f"{sixteen_name}: expected an object of activation -> family names")
+        sixteen, sixteen_name, sixteen_bytes = family_table(coeffs_dir / "defaults_16bit.json")
         strays = sorted(set(sixteen) - set(defaults))
         if strays:
             raise ValueError(f"{sixteen_name}: {strays[0]!r} is not in {defaults_name}")

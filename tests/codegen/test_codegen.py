@@ -136,6 +136,21 @@ def test_printers_on_small_expressions():
         function_body(Y + sympy.Symbol("c0"), TorchPrinter())
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"swish2": "half"}', "defaults_16bit.json: 'swish2' is not in .*defaults.json"),
+        ('{"gelu": 3}', "defaults_16bit.json: expected an object of activation -> family names"),
+        ("{gelu", "defaults_16bit.json: not valid JSON"),
+    ],
+)
+def test_a_bad_16bit_table_is_one_line(tmp_path, text, message):
+    shutil.copytree(COEFFS, tmp_path / "coeffs")
+    (tmp_path / "coeffs" / "defaults_16bit.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        render_all(tmp_path / "coeffs")
+
+
 def test_a_default_without_a_spec_entry_is_one_line(tmp_path):
     shutil.copytree(COEFFS, tmp_path / "coeffs")
     defaults = json.loads((COEFFS / "defaults.json").read_text()) | {"swish2": "floor"}
