@@ -6,7 +6,8 @@ Writes benchmarks/results/host_time_<device>.json and prints markdown tables.
 Setups, each InvAct against torch, forward + backward(dy):
 - a bare GELU (torch.nn.GELU against invact.InvActGELU) on a (batch, 16) leaf;
 - a GELU MLP, Linear(16, 64), GELU, Linear(64, 16), patched with invact.patch (which also hooks the
-  MLP for gated products, of which it holds none), and the same with patch(gated=False);
+  MLP for gated products; holding none, the hooks remove themselves in warm-up), and the same with
+  patch(gated=False);
 - a SwiGLU MLP (Llama-style gate/up/down, 16 -> 32 -> 16, SiLU), patched with invact.patch, which
   leaves the gated path on (invact.gated: the MLP's saved-tensor hooks recompute act(g) * u).
 Torch and InvAct alternate round by round (interleaved, the first of each pair alternating too), so

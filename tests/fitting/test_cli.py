@@ -17,7 +17,7 @@ from codegen.coeffs_json import load
 from codegen.render import COEFFS, ROOT
 from fitting.activations import ACTIVATIONS
 from fitting.cli import MAX_SEED, _start_from, main
-from fitting.families import FAMILIES, get_family
+from fitting.families import FAMILIES, family_names, get_family
 
 
 def _run(*args):
@@ -33,7 +33,7 @@ def _run(*args):
             ["relu", "--family", "paper"],
             f"unknown activation 'relu' (choose from {', '.join(sorted(ACTIVATIONS))})",
         ),
-        (["gelu", "--family", "magic"], "unknown family 'magic' (choose from exact, floor, half, paper, search)"),
+        (["gelu", "--family", "magic"], f"unknown family 'magic' (choose from {', '.join(family_names())})"),
         (
             ["gelu", "--family", "exact"],
             "family 'exact' has no form for 'gelu': no closed form of f'(f^-1(y)) is given for it "

@@ -245,6 +245,64 @@ def test_hooking_is_idempotent():
     assert len(m._forward_pre_hooks) == 1
 
 
+def _plain_mlp():
+    class PlainMLP(nn.Module):  # act's output goes to a Linear: no product to recompute
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.act = (
+                nn.Linear(HIDDEN, INTERMEDIATE),
+                nn.Linear(INTERMEDIATE, HIDDEN),
+                nn.GELU(),
+            )
+
+        def forward(self, x):
+            return self.down(self.act(self.up(x)))
+
+    torch.manual_seed(0)
+    return PlainMLP()
+
+
+def _step(m, x):
+    xi = x.clone().requires_grad_()
+    m(xi).square().sum().backward()
+    grads = [xi.grad, *[p.grad.clone() for p in m.parameters()]]
+    m.zero_grad()
+    return grads
+
+
+def test_hooks_remove_themselves_after_a_call_with_no_product():
+    """Patched without example inputs, a plain MLP is hooked; its first call with grad shows no
+    product (an InvAct ran, tensors were saved, none a product), and the hooks go: later calls pay no
+    Python hook. Calls without grad or without an InvAct inside prove nothing and leave them."""
+    torch.manual_seed(2)
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    eager = _plain_mlp()
+    invact.patch(eager, gated=False)
+    want = _step(eager, x)
+    m = _plain_mlp()
+    invact.patch(m)
+    assert len(m._forward_pre_hooks) == len(m._forward_hooks) == 1
+    with torch.no_grad():
+        m(x)
+    assert len(m._forward_pre_hooks) == len(m._forward_hooks) == 1
+    for _ in range(2):  # the call that removes them, and one without them
+        got = _step(m, x)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert not m._forward_pre_hooks and not m._forward_hooks
+    assert not recompute_products(m)  # idempotent still: patch() does not hook it again
+    invact.patch(m)
+    assert not m._forward_pre_hooks
+
+
+def test_hooks_stay_where_a_product_was_recomputed():
+    m = _mlp()
+    invact.patch(m)
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    for _ in range(2):
+        _step(m, x)
+        assert len(m._forward_pre_hooks) == len(m._forward_hooks) == 1
+
+
 def test_lora_wrapped_down_projection_saves_the_product_and_trains():
     peft = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaModel
