@@ -225,7 +225,11 @@ class _Scope:
         storage (a plain MLP: act's output goes to a Linear, not to a multiply)."""
         saved, self.saved = self.saved, []  # from now on the saved-tensor slots alone hold them
         calls, self.calls = self.calls, []
-        shared = bool(calls and saved) and any(_may_share(x, saved) for x, _ in calls)
+        # Only a view (a chunk of a fused output) or a meta tensor can share its storage with a saved
+        # tensor here: an op's own output owns its storage. The cheap test first (host time).
+        shared = bool(calls and saved) and any(
+            (x._base is not None or x.is_meta) and _may_share(x, saved) for x, _ in calls
+        )
         if shared:
             _free_gate_halves(calls, saved, arguments, output)
         if self.observer is not None:
