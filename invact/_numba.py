@@ -41,7 +41,7 @@ except ImportError:  # numba needs numpy: without it this backend is never chose
 
 from invact import _bits, _portable
 from invact._layout import flat
-from invact.activations import Activation
+from invact.activations import SIXTEEN_BIT, Activation
 
 # Elements up to which every call here runs on the calling thread, without numba's parallel region:
 # the kernels' span (_SPAN in invact/_numba_kernels.py and in each numba view), so up to it a parallel
@@ -286,7 +286,7 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a buffer that
     stays in cache). Up to one span (SERIAL) the span's serial function runs on this thread: the
     function the parallel kernel calls on its one span."""
-    if y.dtype in _portable._SIXTEEN_BIT and act.has_16bit_q:
+    if y.dtype in SIXTEEN_BIT and act.has_16bit_q:
         return _backward16(act, y, bits, dy, precision_bit)
     k = act.numba_kernels
     y32 = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()

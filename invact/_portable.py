@@ -14,7 +14,7 @@ import torch
 
 from invact import _bits
 from invact._layout import flat, like, shaped_like
-from invact.activations import Activation
+from invact.activations import SIXTEEN_BIT, Activation
 
 
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,15 +28,12 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     return y, _bits.pack(left)
 
 
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-
-
 def backward(act: Activation, y, bits, dy, precision_bit: bool) -> torch.Tensor:
     """dx = dy * q(y, bit) in fp32, with the 16-bit q (Activation.q16) for y in bf16 or fp16: the
     functions the Triton kernels evaluate for those dtypes."""
     y32 = y.float()
     gen = act.generated
-    q_left, q_right = act.q16 if y.dtype in _SIXTEEN_BIT else (getattr(gen, "q_left", None), gen.q_right)
+    q_left, q_right = act.q16 if y.dtype in SIXTEEN_BIT else (getattr(gen, "q_left", None), gen.q_right)
     if act.monotone:  # q itself at y = +-inf (x = +-inf, as torch); NaN stays NaN
         q = torch.where(torch.isnan(y32), torch.nan, q_right(y32))
     else:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from invact._layout import flat, is_dense
-from invact.activations import Activation
+from invact.activations import SIXTEEN_BIT, Activation
 
 BLOCK = 1024  # default elements per program (see Config)
 
@@ -179,14 +179,11 @@ def forward_constexprs(act: Activation, precision_bit: bool) -> dict:
                 MONOTONE=monotone)  # fmt: skip
 
 
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-
-
 def backward_constexprs(act: Activation, precision_bit: bool, dtype: torch.dtype = torch.float32) -> dict:
     """_backward_kernel's constexpr arguments for `act` on y of `dtype` (BLOCK and EVEN aside): q, or
     for bf16 and fp16 q16, the 16-bit family's (Activation.q16)."""
     view = act.triton
-    left, right = (view.q16_left, view.q16_right) if dtype in _SIXTEEN_BIT else (view.q_left, view.q_right)
+    left, right = (view.q16_left, view.q16_right) if dtype in SIXTEEN_BIT else (view.q_left, view.q_right)
     return dict(QL=left or right, QR=right, PRECISION_BIT=precision_bit, MONOTONE=view.q_left is None)
 
 

@@ -23,6 +23,8 @@ import torch
 from invact._generated import FAMILIES
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
+# The storage dtypes whose y the backends read with q16 (Activation.q16), the 16-bit family's q.
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 class TritonView(NamedTuple):
