@@ -260,22 +260,12 @@ def find_kernels(act: Activation) -> Kernels:
     return Kernels(span, cpu.backward_kernel, bits, span_flags, span_bits)
 
 
-def _backward16(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
-                ) -> torch.Tensor:  # fmt: skip
-    """backward for y stored in bf16 or fp16, with the 16-bit q the GPU kernels evaluate
-    (Activation.q16): the numba view's backward16_kernel, one flag per element."""
-    y32, dy32 = y.float().contiguous(), dy.float().contiguous()
-    dx32 = torch.empty_like(y32)
-    arrays = y32.numpy().ravel(), dy32.numpy().ravel(), dx32.numpy().ravel()
-    if act.monotone:
-        act.cpu.backward16_kernel(*arrays)
-    else:
-        if precision_bit:
-            flags = _bits.int_view(y).contiguous().numpy().ravel()
-        else:
-            flags = np.unpackbits(bits.contiguous().numpy(), count=y32.numel(), bitorder="little")
-        act.cpu.backward16_kernel(arrays[0], flags, arrays[1], arrays[2])
-    return dx32.to(dy.dtype)
+def _flags(y: torch.Tensor, bits: torch.Tensor, precision_bit: bool) -> np.ndarray:
+    """One branch flag per element for the kernels that read flags: y's integer view (its lowest bit)
+    in precision-bit mode, else the packed bits unpacked (0 or 1)."""
+    if precision_bit:
+        return _bits.int_view(y).contiguous().numpy().ravel()
+    return np.unpackbits(bits.contiguous().numpy(), count=y.numel(), bitorder="little")
 
 
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
@@ -286,24 +276,27 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a buffer that
     stays in cache). Up to one span (SERIAL) the span's serial function runs on this thread: the
     function the parallel kernel calls on its one span."""
-    if y.dtype in SIXTEEN_BIT and act.has_16bit_q:
-        return _backward16(act, y, bits, dy, precision_bit)
-    k = act.numba_kernels
     y32 = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
     dy32 = dy if dy.dtype == torch.float32 and dy.is_contiguous() else dy.float().contiguous()
     dx32 = torch.empty_like(y32)
     arrays = y32.numpy().ravel(), dy32.numpy().ravel(), dx32.numpy().ravel()  # contiguous: views
+    if y.dtype in SIXTEEN_BIT and act.has_16bit_q:  # the 16-bit q the GPU kernels evaluate
+        kernel = act.cpu.backward16_kernel  # one flag per element (Activation.q16, codegen.half)
+        if act.monotone:
+            kernel(*arrays)
+        else:
+            kernel(arrays[0], _flags(y, bits, precision_bit), arrays[1], arrays[2])
+        return dx32.to(dy.dtype)
+    k = act.numba_kernels
     serial = y32.numel() <= k.span  # 0 where the view has no span function
     if act.monotone:
         (k.span_flags if serial else k.flags)(*arrays)
     elif precision_bit:
-        flags = _bits.int_view(y).contiguous().numpy().ravel()
-        (k.span_flags if serial else k.flags)(arrays[0], flags, arrays[1], arrays[2])
+        (k.span_flags if serial else k.flags)(arrays[0], _flags(y, bits, True), arrays[1], arrays[2])
     elif not serial:
         k.bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
     elif k.span_bits is not None:
         k.span_bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
     else:  # the polynomial's span function reads one flag per element (0 or 1)
-        flags = np.unpackbits(bits.numpy(), count=y32.numel(), bitorder="little")
-        k.span_flags(arrays[0], flags, arrays[1], arrays[2])
+        k.span_flags(arrays[0], _flags(y, bits, False), arrays[1], arrays[2])
     return dx32 if dy.dtype == torch.float32 else dx32.to(dy.dtype)
