@@ -12,6 +12,7 @@ printer module per target:
   coefficient file each was generated from, the runtime's tables (module classes, the classes and
   functions patch() replaces, the classes it skips), and the torch-compatible module classes and
   functional forms, one per class of the spec.
+- `norms.py` (codegen.norm_spec): the normalization variants of coeffs/norms.json, for invact.norm.
 - --emit modules (codegen.emitted): every view of a user-defined activation in one file.
 
 Every file starts with a header naming its source JSON and that file's sha256 (codegen.common); a test
@@ -28,6 +29,7 @@ from codegen import spec
 from codegen.coeffs_json import CoeffFile, loads
 from codegen.common import COEFFS, GENERATED, ROOT, rel, sha256
 from codegen.index_view import render_index, render_modules
+from codegen.norm_spec import render_file as render_norms
 from codegen.numba_view import cpu_runtime_sources, render_cpu
 from codegen.torch_view import render_torch
 from codegen.triton_view import render_triton
@@ -99,4 +101,9 @@ def render_all(coeffs_dir: Path = COEFFS, replaced: Mapping[Path, str] | None = 
         files[f"{activation}.py"] = render_torch(c, with_spec, entries[activation], c16)
         files[f"{activation}_cpu.py"] = render_cpu(c, [c_source, *c16_sources, *cpu_runtime], c16)
         files[f"{activation}_triton.py"] = render_triton(c, with_spec, entries[activation], c16)
+    norms = coeffs_dir / "norms.json"
+    try:
+        files["norms.py"] = render_norms(norms, source(norms))
+    except OSError as e:
+        raise ValueError(f"{norms}: cannot read the norm spec ({e.strerror})") from None
     return files
