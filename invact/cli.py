@@ -32,7 +32,8 @@ Kinds: each saved storage counts where it was first saved (the innermost module 
 activation's output with the activation wherever it is saved, and a gated product act(g) * u, what a
 gated MLP's down projection saves, as its own kind (patch() recomputes it in backward). Where
 patch() moves y into a fused gate_up output (Phi-3, MoE experts), that one storage counts under
-"MLP, other". Norms are not inverted by patch(): their row is what they hold both ways.
+"MLP, other". patch() inverts the norms whose formula it reproduces (invact.norm: each keeps its output
+and rstd, not its input); --no-norms leaves them, and their row is then what they hold both ways.
 
 Attention: attn_implementation="sdpa" (transformers' eager attention where the model has no SDPA
 path); scaled_dot_product_attention runs the kernel torch picks on CPU for the same shapes, dtype,
@@ -88,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-gated", dest="gated", action="store_false",
                       help="patch(gated=False): replace the activations only, keep gated MLPs' products "
                            "(default: the gated path, patch()'s default)")  # fmt: skip
+    plan.add_argument("--no-norms", dest="norms", action="store_false",
+                      help="patch(norms=False): leave RMSNorm and LayerNorm as they are (default: inverted, "
+                           "patch()'s default)")  # fmt: skip
     plan.add_argument("--json", action="store_true",
                       help="print one JSON object (eager_saved_bytes, patched_saved_bytes, kinds, "
                            "decisions, config, batch, seq, dtype, ...) instead of the table")  # fmt: skip
@@ -122,7 +126,10 @@ def _decision_lines(decisions: list[dict]) -> list[str]:
         key = (d["replace"], _pattern(d["name"]) or "(the model)", d["class"], d["reason"], gated)
         groups[key] = groups.get(key, 0) + 1
     replaced = sum(1 for d in decisions if d["replace"])
-    lines = [f"patch(): {replaced} activation(s) replaced, {len(decisions) - replaced} left alone"]
+    norms = sum(1 for d in decisions if d.get("kind") == "norm" and d["replace"])
+    replaced -= norms
+    left = sum(1 for d in decisions if not d["replace"])
+    lines = [f"patch(): {replaced} activation(s) and {norms} norm(s) replaced, {left} left alone"]
     for (replace, name, cls, reason, gated), count in groups.items():
         times = f" (x{count})" if count > 1 else ""
         verb = "replaced" if replace else "left alone"
@@ -130,7 +137,7 @@ def _decision_lines(decisions: list[dict]) -> list[str]:
         text = f"{verb}: {name}{times}, {cls}: {reason}{hooked}"
         lines += textwrap.wrap(text, width=100, initial_indent="  ", subsequent_indent="      ")
     if not decisions:
-        lines.append("  (no activation module found)")
+        lines.append("  (no activation or norm module found)")
     return lines
 
 
@@ -187,7 +194,9 @@ def _plan(args) -> int:
     from invact.planner import plan_memory
 
     try:
-        result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated)
+        result = plan_memory(
+            args.config, args.batch, args.seq, args.dtype, gated=args.gated, norms=args.norms
+        )
     except PlanError as e:
         _fail("invact plan", str(e))
     if args.json:

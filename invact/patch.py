@@ -25,6 +25,7 @@ from invact.activations import ACTIVATIONS
 from invact.gated import multiply, recompute_products
 from invact.memory import parameter_storages
 from invact.modules import InvAct
+from invact.norm import is_candidate, keeps_residual, match, replacement
 
 log = logging.getLogger("invact")
 Factory = Callable[[nn.Module, str], nn.Module]
@@ -129,6 +130,9 @@ class Decision:
     # saving: the gated products act(g) * u (this activation's output a factor) that ops inside that
     # module save, and where g is half of a fused gate_up output, the half that copying u out frees.
     gated_bytes: int | None = None
+    # "activation", or "norm": a normalization layer inverted by invact.norm (saves its output and rstd
+    # instead of its input); `reason` then names the formula it was checked to compute
+    kind: str = "activation"
 
 
 def _qualname(module: nn.Module) -> str:
@@ -214,7 +218,14 @@ def _candidates(model: nn.Module):
 
 
 def plan(
-    model: nn.Module, *, include=None, exclude=None, mode: str = "bits", example_inputs=None, gated=True
+    model: nn.Module,
+    *,
+    include=None,
+    exclude=None,
+    mode: str = "bits",
+    example_inputs=None,
+    gated=True,
+    norms: bool = True,
 ):
     """What patch() would do: one Decision per activation-like module or activation function attribute
     (replaced or left alone, and why). Changes nothing.
@@ -232,7 +243,16 @@ def plan(
 
     `gated`: each replaced activation's Decision names in `gated` the module patch() hooks so that it
     saves no copy of a gated product act(g) * u (see patch()); with example inputs only where such a
-    product is measured, and `gated_bytes` gives its bytes."""
+    product is measured, and `gated_bytes` gives its bytes.
+
+    `norms`: also one Decision (kind "norm") per normalization module (a class of the norm spec, or a
+    leaf module named like one): replaced by invact.norm.InvNorm where its forward matches one of the
+    spec's formulas bitwise on a probe, unless in nn.Sequential Dropout(p > 0) or an in-place module
+    follows it (then the next layer saves another tensor than its output, or overwrites it). With
+    `example_inputs` each norm is measured instead: replaced only where the bytes saved inside it
+    (eager: x, its statistics, Hugging Face's fp32 copies) exceed what the inverted norm keeps (rstd,
+    the 4-bit residuals of the variants that have them, and y itself where no later op saves it), and
+    nothing modifies its output in place; `saved_bytes` gives the difference."""
     if mode not in ("bits", "precision_bit"):
         raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
@@ -257,15 +277,155 @@ def plan(
         elif _is_activation_like(obj):
             decisions.append(Decision(name, cls, False, "not a function InvAct reproduces"))
     found += [d.name for d in decisions]  # skipped activations (torch's own, saving nothing) count too
+    norm_decisions = _norm_decisions(model, include, exclude, example_inputs is None) if norms else []
+    found += [d.name for d in norm_decisions]
     for what, patterns in (("include", include), ("exclude", exclude)):
         for p in patterns or ():
             if not any(fnmatch.fnmatchcase(n, p) for n in found):
                 example = f" (they look like {found[0]!r})" if found else " (the model has none)"
-                raise ValueError(f"{what} pattern {p!r} matches no activation's name{example}")
+                raise ValueError(f"{what} pattern {p!r} matches no activation's or norm's name{example}")
     if example_inputs is not None:
-        return _measured(model, decisions, example_inputs, mode, gated)
+        measured = _measured(model, decisions, example_inputs, mode, gated)
+        return measured + _measured_norms(model, norm_decisions, example_inputs)
     # statically: hook the parent of every replaced activation (harmless where it holds no product)
-    return _hooking_parents(decisions) if gated else decisions
+    return (_hooking_parents(decisions) if gated else decisions) + norm_decisions
+
+
+def _norm_decisions(model: nn.Module, include, exclude, static: bool) -> list[Decision]:
+    """One Decision (kind "norm") per normalization module (see plan's `norms`); `static`: the known
+    risky patterns decide (without example inputs)."""
+    decisions = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not is_candidate(module):
+            continue
+        cls = _qualname(module)
+        variant, why = match(module)
+        if variant is None:
+            decisions.append(Decision(name, cls, False, why, kind="norm"))
+        elif not _selected(name, include, exclude):
+            decisions.append(Decision(name, cls, False, "excluded by include/exclude", kind="norm"))
+        elif not name:
+            decisions.append(Decision(name, cls, False, "the model itself is a norm: use invact.norm.InvNorm",
+                                      kind="norm"))  # fmt: skip
+        else:
+            risk = _norm_risk(model, name) if static else None
+            decisions.append(Decision(name, cls, risk is None, risk or f"inverted: {why}", kind="norm"))
+    return decisions
+
+
+def _measured_norms(model: nn.Module, decisions: list[Decision], example_inputs) -> list[Decision]:
+    """The norm decisions to replace, re-decided by one training-mode forward of the unpatched model
+    under saved-tensor hooks (see plan's `norms`)."""
+    todo = {d.name: d for d in decisions if d.replace}
+    if not todo:
+        return decisions
+    modules = {name: model.get_submodule(name) for name in todo}
+    first = {}  # id(module) -> its first name (a shared module is measured once)
+    for name, m in modules.items():
+        first.setdefault(id(m), name)
+    excluded = parameter_storages(model)
+    stack: list[str] = []
+    inside: dict[str, dict[int, int]] = {}  # name -> storage -> bytes, saved while it ran
+    outputs: dict[str, list] = {}  # name -> [(output, its version at return)]
+    elsewhere: set[int] = set()  # storages saved outside every measured norm
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded and storage.nbytes():
+            if stack:
+                inside.setdefault(stack[-1], {})[ptr] = storage.nbytes()
+            else:
+                elsewhere.add(ptr)
+        return t
+
+    def enter(name: str) -> None:
+        stack.append(name)
+
+    def leave(name: str, output) -> None:
+        stack.pop()
+        if isinstance(output, torch.Tensor):  # held until the end: no later tensor takes its address
+            outputs.setdefault(name, []).append((output, output._version))
+
+    hooks = []
+    for name, m in modules.items():
+        if first[id(m)] == name:
+            hooks.append(m.register_forward_pre_hook(lambda _m, _a, n=name: enter(n)))
+            hooks.append(m.register_forward_hook(lambda _m, _a, out, n=name: leave(n, out)))
+    modes = {m: m.training for m in model.modules()}
+    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
+    args, kwargs = _as_call(example_inputs)
+    try:
+        model.train()
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(*args, **kwargs)
+            del out
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, training in modes.items():
+            m.train(training)
+    result = []
+    for d in decisions:
+        if d.name not in todo:
+            result.append(d)
+            continue
+        key = first[id(modules[d.name])]
+        calls = outputs.get(key, [])
+        if not calls:
+            result.append(dataclasses.replace(d, replace=False, reason="not called by the example forward: "
+                                              "nothing measured"))  # fmt: skip
+            continue
+        if any(y._version != version for y, version in calls):
+            why = "an in-place op modifies its output later in the forward: the inverted norm saves it"
+            result.append(dataclasses.replace(d, replace=False, reason=why))
+            continue
+        own = {y.untyped_storage().data_ptr() for y, _ in calls}
+        freed = sum(n for ptr, n in inside.get(key, {}).items() if ptr not in own)
+        cost = sum(
+            _kept_bytes(modules[d.name], y, y.untyped_storage().data_ptr() in elsewhere) for y, _ in calls
+        )
+        if freed - cost <= 0:
+            why = f"measured: inverting it would add {cost - freed} bytes (no later op saves its output)"
+            result.append(dataclasses.replace(d, replace=False, saved_bytes=freed - cost, reason=why))
+        else:
+            why = f"measured: saves {freed - cost} bytes; {d.reason}"
+            result.append(dataclasses.replace(d, saved_bytes=freed - cost, reason=why))
+    return result
+
+
+def _kept_bytes(module: nn.Module, y: torch.Tensor, saved_later: bool) -> int:
+    """What an inverted norm keeps for one call with output y: rstd (fp32, one per row), the 4-bit
+    residuals where its variant keeps them (invact.norm.keeps_residual), and y where no later op saves
+    it."""
+    rows = y.numel() // max(y.shape[-1], 1) if y.dim() else 1
+    kept = 4 * rows + (0 if saved_later else y.untyped_storage().nbytes())
+    variant, _ = match(module)
+    if (
+        variant is not None
+        and getattr(module, "weight", None) is not None
+        and keeps_residual(variant, y.dtype)
+    ):
+        kept += (y.numel() + 1) // 2
+    return kept
+
+
+def _norm_risk(model: nn.Module, name: str) -> str | None:
+    """In nn.Sequential, the module after a norm: Dropout(p > 0) (the next layer saves the dropped-out
+    tensor, not y) or in place (it would overwrite the y backward reads); None otherwise."""
+    parent, attr = _parent(model, name)
+    if not isinstance(parent, nn.Sequential):
+        return None
+    names = [n for n, _ in parent.named_children()]
+    if attr not in names or names.index(attr) + 1 == len(names):
+        return None
+    after_name, after = list(parent.named_children())[names.index(attr) + 1]
+    if isinstance(after, nn.modules.dropout._DropoutNd) and after.p > 0:
+        return f"the next module, {after_name}, is Dropout(p={after.p}): the next layer saves another tensor"
+    if getattr(after, "inplace", False) is True:
+        return f"the next module, {after_name} ({type(after).__name__}), works in place on its output"
+    return None
 
 
 def _parent_name(name: str) -> str:
@@ -286,6 +446,7 @@ def patch(
     mode: str = "bits",
     example_inputs=None,
     gated: bool = True,
+    norms: bool = True,
 ) -> list[str]:
     """Replace, in place, every activation that InvAct reproduces exactly and that saves memory; return
     their names. Arguments as for plan(); with `example_inputs` the saving is measured per activation
@@ -301,14 +462,28 @@ def patch(
     PEFT's. A module instance shared by several parents is replaced by one shared InvAct module. An
     already patched module whose mode differs from `mode` is switched to it. Activations left alone
     are logged on the "invact" logger (INFO) with the reason. A model loaded again (from_pretrained,
-    a fresh instance) holds torch's activations: patch it again."""
+    a fresh instance) holds torch's activations: patch it again.
+
+    `norms` (default True): also replace each normalization layer whose
+    formula InvAct reproduces (RMSNorm, LayerNorm and their Hugging Face and timm variants, checked on
+    a probe: see plan()) by an invact.norm.InvNorm holding the same parameters, which saves its output
+    and rstd instead of its input. norms=False leaves every norm as it is (it does not undo an earlier
+    patch(norms=True): a model loaded again holds torch's norms)."""
     decisions = plan(model, include=include, exclude=exclude, mode=mode, example_inputs=example_inputs,
-                     gated=gated)  # fmt: skip
+                     gated=gated, norms=norms)  # fmt: skip
     replaced, swapped = [], {}
     factories = {name: factory for name, _, _, factory, _ in _candidates(model)}
     for d in decisions:
         if not d.replace:
             log.info("invact.patch: left %s (%s) alone: %s", d.name, d.cls, d.reason)
+            continue
+        if d.kind == "norm":
+            parent, attr = _parent(model, d.name)
+            old = getattr(parent, attr)
+            if id(old) not in swapped:
+                swapped[id(old)] = replacement(old, match(old)[0])
+            setattr(parent, attr, swapped[id(old)])
+            replaced.append(d.name)
             continue
         if not d.name:
             raise ValueError("the model itself is an activation: wrap it or use invact's modules directly")

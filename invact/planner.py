@@ -60,7 +60,7 @@ KINDS: dict[str, str] = {
     "mlp_activations": "MLP activations",
     "gated_products": "gated products act(g)*u",
     "mlp_other": "MLP, other (linear inputs, u)",
-    "norms": "norms (not inverted)",
+    "norms": "norms",
     "other": "other (embeddings, residuals, head)",
 }
 
@@ -401,10 +401,16 @@ def _storage_bytes(tensors) -> int:
 
 
 def plan_memory(
-    config, batch: int, seq: int, dtype: str | torch.dtype = "bfloat16", *, gated: bool = True
+    config,
+    batch: int,
+    seq: int,
+    dtype: str | torch.dtype = "bfloat16",
+    *,
+    gated: bool = True,
+    norms: bool = True,
 ) -> dict:
     """What one training forward of input_ids (batch, seq) saves for backward, eager and after
-    `invact.patch(model, gated=gated)`, for the transformers model `config` describes (a config
+    `invact.patch(model, gated=gated, norms=norms)`, for the transformers model `config` describes (a config
     object, a config dict, or the path of a config JSON file or of a folder holding config.json),
     built on the meta device in `dtype`. Nothing is allocated or downloaded.
 
@@ -416,9 +422,10 @@ def plan_memory(
       vocab) in dtype), held until the loss is computed; input_bytes: input_ids (batch, seq) int64,
       which the embedding saves (so they are in the saved bytes);
     - parameter_bytes: the model's parameters and buffers, each storage once (not in the figures);
-    - decisions: patch()'s decisions [{name, class, replace, reason, gated}];
+    - decisions: patch()'s decisions [{name, class, replace, reason, gated, kind}] (kind "activation"
+      or "norm");
     - attention: {implementation ("sdpa" or "eager"), kernels (SDPA's kernels used: "flash", "math")};
-    - model_type, model_class, config (the path, or None), batch, seq, dtype, gated.
+    - model_type, model_class, config (the path, or None), batch, seq, dtype, gated, norms.
     PlanError for input it cannot take."""
     for name, value in (("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -440,11 +447,11 @@ def plan_memory(
                         "token ids")  # fmt: skip
     if "use_cache" in parameters:
         inputs["use_cache"] = False
-    decisions = invact.plan(model, gated=gated)
+    decisions = invact.plan(model, gated=gated, norms=norms)
     try:
         with torch.enable_grad():
             eager = _forward(model, inputs)
-            invact.patch(model, gated=gated)
+            invact.patch(model, gated=gated, norms=norms)
             patched = _forward(model, inputs)
     except (RuntimeError, NotImplementedError) as e:  # e.g. "Tensor.item() cannot be called on meta tensors"
         raise PlanError(
@@ -459,6 +466,7 @@ def plan_memory(
         "seq": seq,
         "dtype": str(torch_dtype).removeprefix("torch."),
         "gated": gated,
+        "norms": norms,
         "eager_saved_bytes": eager["saved_bytes"],
         "patched_saved_bytes": patched["saved_bytes"],
         "change": patched["saved_bytes"] / eager["saved_bytes"] - 1 if eager["saved_bytes"] else 0.0,
@@ -481,7 +489,14 @@ def plan_memory(
             "kernels": sorted(eager["kernels"] | patched["kernels"]),
         },
         "decisions": [
-            {"name": d.name, "class": d.cls, "replace": d.replace, "reason": d.reason, "gated": d.gated}
+            {
+                "name": d.name,
+                "class": d.cls,
+                "replace": d.replace,
+                "reason": d.reason,
+                "gated": d.gated,
+                "kind": d.kind,
+            }  # fmt: skip
             for d in decisions
         ],
     }

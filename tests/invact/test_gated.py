@@ -130,9 +130,9 @@ def test_plan_reports_the_hooked_modules_and_the_measured_products(label):
     torch.manual_seed(0)
     model = _decoders()[label][0]().train()
     inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
-    static = [d for d in invact.plan(model) if d.replace]
+    static = [d for d in invact.plan(model, norms=False) if d.replace]
     assert static and all(d.gated == d.name.rpartition(".")[0] and d.gated_bytes is None for d in static)
-    measured = [d for d in invact.plan(model, example_inputs=inputs) if d.replace]
+    measured = [d for d in invact.plan(model, example_inputs=inputs, norms=False) if d.replace]
     assert [d.name for d in measured] == [d.name for d in static]
     assert sum(d.gated_bytes for d in measured) == _ideal(label)
     assert all(d.gated == d.name.rpartition(".")[0] and "by the gated path" in d.reason for d in measured)
@@ -425,9 +425,11 @@ def test_where_no_product_is_measured_nothing_is_hooked():
                         num_attention_heads=4, vocab_size=128)  # fmt: skip
     model = BertModel(config).train()
     inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
-    replaced = [d for d in invact.plan(model, example_inputs=inputs) if d.replace]
+    replaced = [d for d in invact.plan(model, example_inputs=inputs, norms=False) if d.replace]
     assert len(replaced) == LAYERS and all(d.gated is None and d.gated_bytes == 0 for d in replaced)
-    assert all(d.gated_bytes is None for d in invact.plan(model, example_inputs=inputs, gated=False))
+    assert all(
+        d.gated_bytes is None for d in invact.plan(model, example_inputs=inputs, gated=False, norms=False)
+    )
     invact.patch(model, example_inputs=inputs)
     assert not any(getattr(m, "_invact_recompute_products", False) for m in model.modules())
 
@@ -439,11 +441,11 @@ def test_a_fused_gate_up_gains_only_with_the_gated_path(label):
     torch.manual_seed(0)
     model = _decoders()[label][0]().train()
     inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
-    alone = invact.plan(model, example_inputs=inputs, gated=False)  # one SiLU per layer
+    alone = invact.plan(model, example_inputs=inputs, gated=False, norms=False)  # one SiLU per layer
     assert len(alone) == LAYERS and not any(d.replace for d in alone)
     assert sum(d.saved_bytes for d in alone) == -LAYERS * BATCH * SEQ * _decoders()[label][1] // 8
-    assert invact.patch(model, example_inputs=inputs, gated=False) == []
-    assert len(invact.patch(model, example_inputs=inputs)) == LAYERS
+    assert invact.patch(model, example_inputs=inputs, gated=False, norms=False) == []
+    assert len(invact.patch(model, example_inputs=inputs, norms=False)) == LAYERS
 
 
 class _Fused(nn.Module):
@@ -482,7 +484,7 @@ def test_g_is_freed_from_a_fused_gate_up_only_where_that_frees_it(whole_saved, e
     saving = _held_bytes(plain, inputs) - _held_bytes(gated, inputs)
     product = BATCH * SEQ * INTERMEDIATE * 4
     assert saving == product + (product if extra_saving == "g" else 0)
-    measured = invact.plan(_Fused(whole_saved=whole_saved), example_inputs=inputs)
+    measured = invact.plan(_Fused(whole_saved=whole_saved), example_inputs=inputs, norms=False)
     assert [d.gated_bytes for d in measured] == [saving]
     for m in (plain, gated):
         m(**inputs).square().sum().backward()

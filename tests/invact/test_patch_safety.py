@@ -92,9 +92,9 @@ def test_patterns_are_strings_and_must_match():
     layers = {"fc": nn.Linear(4, 4), "head_act": nn.GELU(), "fc2": nn.Linear(4, 4), "act2": nn.SiLU()}
     model = nn.Sequential(OrderedDict(layers))
     assert invact.patch(model, exclude="head_act") == ["act2"]  # one string is one pattern, not letters
-    with pytest.raises(ValueError, match="include pattern 'x' matches no activation's name"):
+    with pytest.raises(ValueError, match="include pattern 'x' matches no activation's or norm's name"):
         invact.patch(model, include="x")
-    with pytest.raises(ValueError, match="exclude pattern 'head' matches no activation's name"):
+    with pytest.raises(ValueError, match="exclude pattern 'head' matches no activation's or norm's name"):
         invact.plan(model, exclude=["head"])
     with pytest.raises(TypeError, match="include takes glob patterns"):
         invact.plan(model, include=[1])
@@ -110,13 +110,13 @@ def test_activation_functions_kept_as_attributes(measured):
     x = torch.randn(2, 16, WIDTH)
     example = x if measured else None
     model = _encoder_layer(0.1)  # F.gelu then dropout: left alone, statically or measured
-    (d,) = invact.plan(model, example_inputs=example)
+    (d,) = invact.plan(model, example_inputs=example, norms=False)  # its LayerNorms: test_norm_patch.py
     assert d.name == "activation" and d.cls == "torch.nn.functional.gelu" and not d.replace
     assert d.reason.endswith(RISK_HINT) if not measured else "would add" in d.reason
     model = _encoder_layer(0.0)
     want = model(x.clone().requires_grad_())
     before = _saved(model, x)
-    assert invact.patch(model, example_inputs=example) == ["activation"]
+    assert invact.patch(model, example_inputs=example, norms=False) == ["activation"]
     assert isinstance(model.activation, invact.InvActGELU)
     n = 2 * 16 * HIDDEN
     assert before - _saved(model, x) == 4 * n - n // 8
@@ -177,7 +177,7 @@ def test_a_residual_dropout_registered_after_the_activation_is_not_taken_for_one
     model = _hf("gpt2", n_embd=64, n_layer=2, n_head=4)
     ids = {"input_ids": torch.randint(0, 256, (1, 32))}
     before = _saved(model, **ids)
-    assert len(invact.patch(model)) == 2
+    assert len(invact.patch(model, norms=False)) == 2
     assert _saved(model, **ids) < before
 
 
@@ -204,7 +204,7 @@ def test_measured_function_attributes_in_nested_layers():
     layer = nn.TransformerEncoderLayer(WIDTH, 4, HIDDEN, dropout=0.0, activation="gelu", batch_first=True)
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
     x = torch.randn(2, 16, WIDTH)
-    decisions = invact.plan(model, example_inputs=x)
+    decisions = invact.plan(model, example_inputs=x, norms=False)
     assert [d.name for d in decisions] == ["layers.0.activation", "layers.1.activation"]
     n = 2 * 16 * HIDDEN
     assert all(d.replace and d.saved_bytes == 4 * n - n // 8 for d in decisions)

@@ -320,7 +320,7 @@ def test_hf_gradient_checkpointing(kind, use_reentrant):
     layers = 2
     ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
     model, name = _tiny_hf(kind, layers)
-    replaced = invact.patch(model)
+    replaced = invact.patch(model, norms=False)  # the activations (tests/invact/test_norm_patch.py: norms)
     assert len(replaced) == layers
     torch_model = _tiny_hf(kind, layers)[0]
     torch_probe = _Probe(torch_model, replaced)  # the same module names, torch's activations
@@ -461,7 +461,7 @@ def _train(tmp_path, patched: bool, steps: int, lr: float):
     sizes = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)
     config = LlamaConfig(**sizes, num_hidden_layers=2, vocab_size=128, initializer_range=0.2)  # see _tiny_hf
     model = LlamaForCausalLM(config)
-    names = invact.patch(model) if patched else []
+    names = invact.patch(model, norms=False) if patched else []
     assert len(names) == (2 if patched else 0)
     losses = []
     model.register_forward_hook(lambda m, i, o: losses.append(o.loss.detach().clone()))
@@ -522,7 +522,7 @@ def test_state_dicts_interchange_and_copies_keep_invact(tmp_path):
     for p in fresh.parameters():  # other weights, so that loading visibly changes something
         p.data.normal_(0, 0.02)
     torch_saved = invact.memory.saved_tensors(patched, input_ids=ids)
-    assert len(invact.patch(patched)) == 2
+    assert len(invact.patch(patched, norms=False)) == 2  # the activations (norms: test_norm_patch.py)
     patched_saved = invact.memory.saved_tensors(patched, input_ids=ids)
     assert patched_saved.saved_bytes < torch_saved.saved_bytes and patched_saved.by_dtype.get("uint8")
 
@@ -535,7 +535,7 @@ def test_state_dicts_interchange_and_copies_keep_invact(tmp_path):
     fresh.load_state_dict(sd, strict=True)  # patched -> unpatched
     assert torch.equal(out(fresh), out(patched))
     other, _ = _tiny_hf("bert")
-    invact.patch(other)
+    invact.patch(other, norms=False)
     for p in other.parameters():
         p.data.normal_(0, 0.02)
     other.load_state_dict(twin_sd, strict=True)  # unpatched -> patched
@@ -553,7 +553,7 @@ def test_state_dicts_interchange_and_copies_keep_invact(tmp_path):
     loaded = BertModel.from_pretrained(tmp_path / "ckpt").train()
     assert not any(isinstance(m, INVACT_MODULES) for m in loaded.modules())
     assert invact.memory.saved_tensors(loaded, input_ids=ids).saved_bytes == torch_saved.saved_bytes
-    assert len(invact.patch(loaded)) == 2
+    assert len(invact.patch(loaded, norms=False)) == 2
     assert invact.memory.saved_tensors(loaded, input_ids=ids).by_dtype == patched_saved.by_dtype
     assert torch.equal(out(loaded), out(patched))
 

@@ -1,0 +1,556 @@
+"""Inverted normalization: an RMSNorm or LayerNorm that saves its output y (which the next Linear saves
+anyway) and the per-row rstd for backward, instead of its input x.
+
+A norm computes y = cast(h * w_eff + b) with h = (x - mean) * rstd (LayerNorm) or x * rstd (RMSNorm),
+w_eff = offset + w. Its backward needs h, rstd and the parameters only, and h is one step from y:
+h = (y - b) / w_eff. The variants (where the cast falls, Gemma's 1 + w, T5's cast to the weight's
+dtype, torch's own ops) are data, printed from coeffs/norms.json into invact/_generated/norms.py; this
+module evaluates each as the module it replaces does (the same torch ops in the same order, so y is
+bitwise the module's on CPU), and `match` accepts a module only where its forward gives that y, bitwise,
+on a probe.
+
+Exactness. y is stored rounded: |fl(v) - v| <= u |v| + eta for v = h w_eff + b, with u the unit
+roundoff of y's dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32) and eta half its smallest subnormal. So the
+recovered h carries
+    |h_rec - h| <= u |h| + u rho_j,   rho_j = (|b_j| + eta / u) / |w_eff_j|
+(plus the fp32 subtract and divide, 2 u_fp32 |h_rec|). Eager's own 16-bit h, which Hugging Face's
+RMSNorm saves, carries u |h|. Where every channel has rho_j <= RHO_MAX the recovered h is within
+u (|h| + RHO_MAX) of the true one and y is saved; else that call saves x, and backward computes h from
+x exactly as eager does (a weight entry at or near zero, or a bias much larger than its weight). The
+check is a few ops over the d weights, made again only when a parameter changes (its version counter:
+the optimizer's in-place step bumps it); on CUDA it reads one bool back (a device sync per norm per
+optimizer step).
+
+Where the variant multiplies by the weight in fp32 and then casts to a 16-bit y (Gemma's 1 + w, OLMo-2,
+torch's RMSNorm), eager keeps the fp32 h, so its weight gradient carries no rounding of h; there the
+call also keeps each element's rounding residual in 4 bits (encode_residual: n / 2 bytes), which cuts
+h's error to about u |h| / 16 (without it the bf16 weight gradient's RMS error was 1.43-1.49x eager's
+on 4096 x 1024 rows; with it 1.00x).
+
+Backward from h (in fp32, or the input's dtype where that is wider): RMSNorm
+dx = rstd (g - h mean(g h)) with g = dy w_eff, dw = sum over rows of dy h; LayerNorm through
+torch.native_layer_norm_backward given h as its input, mean 0 and rstd 1, its dx then times rstd.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from invact._generated import norms as _spec
+
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+# rho_j above which a call saves x (see the module docstring): with rho <= 1 the recovered h is within
+# u (|h| + 1) of the true h, two units of y's rounding at |h| = 1 (eager's own 16-bit h carries one;
+# a normalized row has RMS 1).
+RHO_MAX = 1.0
+
+
+class Variant(NamedTuple):
+    """One norm formula of the spec (codegen/norm_spec.py documents the fields)."""
+
+    name: str
+    center: bool
+    upcast: str
+    cast: str
+    offset: int
+    bias: bool
+    eps: str
+
+
+VARIANTS: dict[str, Variant] = {name: Variant(name, **fields) for name, fields in _spec.NORMS.items()}
+CLASSES: dict[str, str] = dict(_spec.CLASSES)
+FIND = re.compile(_spec.FIND)
+
+
+def compute_dtype(v: Variant, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the statistics are computed in for an input of `dtype` (torch's native layer norm
+    and rms_norm: its opmath type, float32 for 16-bit inputs)."""
+    if v.upcast == "float32":
+        return torch.float32
+    return torch.float32 if dtype in SIXTEEN_BIT else dtype
+
+
+def default_eps(v: Variant, dtype: torch.dtype) -> float:
+    """torch's RMSNorm with eps=None: the machine epsilon of its compute dtype."""
+    return torch.finfo(compute_dtype(v, dtype)).eps
+
+
+def forward(x: torch.Tensor, weight, bias, eps: float, v: Variant):
+    """(y, mean, rstd) as variant `v` computes them over x's last dimension: y in the dtype the module's
+    own ops give, mean (None unless `v` centers) and rstd of shape (..., 1)."""
+    return _forward(x, weight, bias, eps, v)[:3]
+
+
+def _forward(x: torch.Tensor, weight, bias, eps: float, v: Variant):
+    """forward's (y, mean, rstd), and the value y was rounded from where the variant multiplies by the
+    weight in the compute dtype and then casts to a narrower one (else None)."""
+    if v.upcast == "native":
+        dtype = _layer_norm_dtype(x)
+        if dtype != x.dtype:  # autocast runs F.layer_norm in another dtype (CUDA's: fp32)
+            x, weight, bias = (None if t is None else t.to(dtype) for t in (x, weight, bias))
+        return (*torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps), None)
+    xf = x.to(compute_dtype(v, x.dtype))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    h = xf * rstd  # the modules' order: x times rsqrt(variance + eps)
+    if weight is None:
+        return h.to(x.dtype), None, rstd, None
+    if v.cast == "before_weight":
+        return weight * h.to(x.dtype), None, rstd, None
+    if v.cast == "after_weight":
+        pre = h * (1.0 + weight.float()) if v.offset else weight * h
+        y = pre.to(x.dtype)
+        return y, None, rstd, (pre if y.dtype != pre.dtype else None)
+    # weight_dtype (T5): to the weight's dtype where that is 16-bit, then times it
+    return weight * (h.to(weight.dtype) if weight.dtype in SIXTEEN_BIT else h), None, rstd, None
+
+
+_AUTOCAST_LAYER_NORM: dict[tuple, torch.dtype] = {}
+
+
+def _layer_norm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.layer_norm computes an input like x in: x's own, or under autocast the dtype
+    autocast casts layer_norm's inputs to (torch.native_layer_norm, which the forward calls for its
+    mean and rstd, has no autocast rule). Asked of F.layer_norm once per device type, autocast state
+    and dtype."""
+    device = x.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta: shapes only)
+        return x.dtype
+    if not enabled:
+        return x.dtype
+    key = (device, torch.get_autocast_dtype(device), x.dtype)
+    if key not in _AUTOCAST_LAYER_NORM:
+        with torch.no_grad():
+            _AUTOCAST_LAYER_NORM[key] = torch.nn.functional.layer_norm(x.new_zeros(1, 2), (2,)).dtype
+    return _AUTOCAST_LAYER_NORM[key]
+
+
+def keeps_residual(variant: str, dtype: torch.dtype) -> bool:
+    """A call of `variant` whose y is stored in `dtype` keeps y's 4-bit rounding residuals: the weight
+    multiplies in the compute dtype, then y is cast to a 16-bit one."""
+    v = VARIANTS[variant]
+    return v.cast == "after_weight" and dtype in SIXTEEN_BIT and v.upcast != "native"
+
+
+# Significant bits of the 16-bit storage dtypes (the leading bit included).
+_PRECISION = {torch.bfloat16: 8, torch.float16: 11}
+# Each element's rounding residual is kept in 4 bits (encode_residual): the recovered pre is within
+# about 1/16 of y's ulp, so h_rec's error drops from u |h| to about u |h| / 16. fp16 keeps (pre - y) in
+# sixteenths of y's ulp: |pre - y| is at most half an ulp, so codes -8..8 (8 clamped to 7).
+_STEPS = 16
+
+
+def _ulp(y32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at each value of y (as fp32): 2^(e - precision) for y = m 2^e,
+    m in [1/2, 1), and the subnormal spacing at zero and below the normal range."""
+    info = torch.finfo(dtype)
+    _, e = torch.frexp(y32)
+    ulp = torch.ldexp(torch.ones_like(y32), e - _PRECISION[dtype])
+    return torch.where(y32 == 0, info.smallest_normal * info.eps, ulp).clamp_min(
+        info.smallest_normal * info.eps
+    )
+
+
+def _bf16_bits(y: torch.Tensor) -> torch.Tensor:
+    """The fp32 bit patterns (int32) of a bf16 tensor's values."""
+    return y.view(torch.int16).to(torch.int32) << 16
+
+
+def encode_residual(pre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The 4-bit rounding residuals of y = pre.to(16-bit), two per byte (element 2i in the low nibble
+    of byte i): ceil(n / 2) bytes."""
+    if y.dtype == torch.bfloat16:
+        # bf16 is fp32's top 16 bits rounded: pre's pattern minus y's, d in [-2^15, 2^15] units of
+        # fp32's last bit (patterns order like magnitudes, and pre and y share a sign), in 16 steps
+        d = pre.view(torch.int32) - _bf16_bits(y)
+        code = ((d + 0x8000) >> 12).clamp_(max=15).to(torch.uint8).flatten()
+    else:
+        y32 = y.float()
+        code = ((pre - y32) / _ulp(y32, y.dtype) * _STEPS).round_().clamp_(-8, 7).add_(8)
+        code = code.to(torch.uint8).flatten()
+    if code.numel() % 2:
+        code = torch.cat([code, code.new_zeros(1)])
+    return code[0::2] | (code[1::2] << 4)
+
+
+def decode_residual(y: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """pre recovered from y and its residuals (encode_residual), as fp32 of y's shape, within 1/32 of
+    y's ulp (bf16: the middle of pre's 2^12-unit step; fp16: + 1/16 at the clamp)."""
+    code = torch.stack((packed & 15, packed >> 4), dim=-1).flatten()[: y.numel()].view(y.shape)
+    if y.dtype == torch.bfloat16:  # y's pattern - 2^15 + the step's middle
+        return (_bf16_bits(y) + (code.to(torch.int32) << 12) - 0x7800).view(torch.float32)
+    y32 = y.float()
+    return y32 + (code.float() - 8) / _STEPS * _ulp(y32, y.dtype)
+
+
+def invertible(weight, bias, v: Variant, dtype: torch.dtype) -> bool:
+    """h can be recovered from a y stored in `dtype` within u (|h| + RHO_MAX) (module docstring)."""
+    if weight is None:
+        return True  # y = h (+ b): nothing to divide by
+    if weight.is_meta:  # shapes only (invact plan): as for parameters as initialized
+        return True
+    info = torch.finfo(dtype)
+    u = info.eps / 2
+    eta = info.smallest_normal * info.eps / 2  # half the smallest subnormal
+    with torch.no_grad():
+        w_eff = weight.float().abs() if not v.offset else (weight.float() + v.offset).abs()
+        top = bias.float().abs() + eta / u if bias is not None else torch.full_like(w_eff, eta / u)
+        # not (top > RHO_MAX w_eff): a NaN weight saves x too
+        return not bool((top > RHO_MAX * w_eff).any() or w_eff.isnan().any())
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _numba_available() -> bool:
+    from invact import _numba
+
+    return _numba.available()
+
+
+def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs: tuple[bool, bool, bool],
+             residual=None):  # fmt: skip
+    """(dx, dweight, dbias) from what the forward kept: y (from_x False) or x, and the statistics;
+    `residual`: y's packed rounding residuals (encode_residual), where the forward kept them."""
+    d = kept.shape[-1]
+    cd = compute_dtype(v, kept.dtype)
+    rstd_c = _rows(rstd.to(cd))
+    w_eff = None if weight is None else (weight.to(cd) + v.offset if v.offset else weight.to(cd))
+    if not from_x and cd == torch.float32 and kept.is_cpu and _numba_available():  # one fused pass
+        from invact import _norm_cpu
+
+        y = _rows(kept if residual is None else decode_residual(kept, residual))
+        dx, dw, db = _norm_cpu.backward(y, _rows(dy), w_eff, bias, rstd_c, v.center)
+        dx = dx.reshape(dy.shape) if needs[0] else None
+        dw = dw.to(weight.dtype) if needs[1] and weight is not None else None
+        db = db.to(bias.dtype) if needs[2] and bias is not None else None
+        return dx, dw, db
+    if from_x:  # exactly eager's h
+        xc = _rows(kept.to(cd))
+        h = (xc - _rows(mean.to(cd))) * rstd_c if v.center else xc * rstd_c
+    else:  # h = (y - b) / w_eff, in the compute dtype (see the module docstring for its error)
+        h = _rows(kept.to(cd) if residual is None else decode_residual(kept, residual))
+        if bias is not None:
+            h = h - bias.to(cd)
+        if w_eff is not None:
+            h = h / w_eff
+    g_out = _rows(dy.to(cd))
+    if v.center:
+        zeros = h.new_zeros(h.shape[0], 1)
+        b = None if bias is None else bias.to(cd)  # its values are not read: its gradient is sum(dy)
+        mask = [needs[0], needs[1] and w_eff is not None, needs[2] and b is not None]
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g_out, h, [d], zeros, torch.ones_like(zeros), w_eff, b, mask
+        )
+        dx = None if dx is None else dx * rstd_c
+    else:
+        g = g_out if w_eff is None else g_out * w_eff
+        dx = rstd_c * (g - h * (g * h).mean(-1, keepdim=True)) if needs[0] else None
+        dw = (g_out * h).sum(0) if needs[1] and weight is not None else None
+        db = None
+    dx = None if dx is None else dx.reshape(dy.shape)
+    dw = None if dw is None or weight is None else dw.to(weight.dtype)
+    db = None if db is None or bias is None or not needs[2] else db.to(bias.dtype)
+    return dx, dw, db
+
+
+class _Norm(torch.autograd.Function):
+    """y = the variant's norm of x; saves y (or x where `check` says h cannot be recovered from y),
+    rstd (and mean when x is kept) and the parameters, which the module holds anyway."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, v, check):
+        y, mean, rstd, pre = _forward(x, weight, bias, eps, v)
+        ctx.set_materialize_grads(False)
+        ctx.v, ctx.x_dtype = v, x.dtype
+        ctx.from_x = not check(y.dtype)
+        if ctx.from_x:
+            ctx.save_for_backward(x, mean, rstd, weight, bias, None)
+        else:  # where y was rounded from an fp32 product, its residuals too (their docstring says why)
+            ctx.save_for_backward(
+                y, None, rstd, weight, bias, None if pre is None else encode_residual(pre, y)
+            )
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        if dy is None:
+            return None, None, None, None, None, None
+        kept, mean, rstd, weight, bias, residual = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:3])
+        dx, dw, db = backward(dy, kept, mean, rstd, weight, bias, ctx.v, ctx.from_x, needs, residual)
+        if dx is not None:
+            dx = dx.to(ctx.x_dtype)
+        return dx, dw, db, None, None, None
+
+
+# torch.compile traces the norm as two custom ops (opaque to the partitioner, which then keeps what
+# the forward op returns for backward: y, rstd, the residuals, and x only where h cannot be recovered).
+# The invertibility check runs inside the forward op (no graph break; on CUDA one bool read back per
+# call); where it fails the op returns a flat copy of x (an op's outputs may not alias its inputs),
+# else an empty one: a size known only at run time.
+
+
+def _op_forward_impl(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, variant: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    v = VARIANTS[variant]
+    y, _, rstd, pre = _forward(x, weight, bias, eps, v)
+    residual = encode_residual(pre, y) if pre is not None else x.new_empty(0, dtype=torch.uint8)
+    if invertible(weight, bias, v, y.dtype):
+        return y, rstd, residual, x.new_empty(0)
+    return y, rstd, residual, x.detach().flatten().clone()
+
+
+_op_forward = torch.library.custom_op("invact::norm_forward", _op_forward_impl, mutates_args=())
+
+
+@_op_forward.register_fake
+def _(x, weight, bias, eps, variant):
+    v = VARIANTS[variant]
+    y, _, rstd, pre = _forward(x, weight, bias, eps, v)  # torch ops on fake tensors: shapes and dtypes
+    residual = x.new_empty((y.numel() + 1) // 2 if pre is not None else 0, dtype=torch.uint8)
+    kept = torch.library.get_ctx().new_dynamic_size()  # 0, or x's numel where x is kept
+    return y, rstd, residual, x.new_empty(kept)
+
+
+def _op_backward_impl(
+    dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, residual: torch.Tensor, x_kept: torch.Tensor,
+    weight: torch.Tensor | None, bias: torch.Tensor | None, variant: str, x_dtype: torch.dtype,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    v = VARIANTS[variant]
+    from_x = x_kept.numel() > 0
+    if from_x:
+        kept = x_kept.view(y.shape)
+        mean = kept.to(compute_dtype(v, kept.dtype)).mean(-1, keepdim=True) if v.center else None
+        dx, dw, db = backward(dy, kept, mean, rstd, weight, bias, v, True, tuple(needs))
+    else:
+        dx, dw, db = backward(dy, y, None, rstd, weight, bias, v, False, tuple(needs),
+                              residual if residual.numel() else None)  # fmt: skip
+    empty = dy.new_empty(0)
+    return (
+        empty if dx is None else dx.to(x_dtype),
+        empty if dw is None else dw,
+        empty if db is None else db,
+    )
+
+
+_op_backward = torch.library.custom_op("invact::norm_backward", _op_backward_impl, mutates_args=())
+
+
+@_op_backward.register_fake
+def _(dy, y, rstd, residual, x_kept, weight, bias, variant, x_dtype, needs):
+    dx = torch.empty_like(y, dtype=x_dtype) if needs[0] else dy.new_empty(0)
+    dw = torch.empty_like(weight) if needs[1] and weight is not None else dy.new_empty(0)
+    db = torch.empty_like(bias) if needs[2] and bias is not None else dy.new_empty(0)
+    return dx, dw, db
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, weight, bias, _, variant = inputs
+    y, rstd, residual, x_kept = output
+    ctx.mark_non_differentiable(rstd, residual, x_kept)
+    ctx.set_materialize_grads(False)
+    ctx.variant, ctx.x_dtype = variant, x.dtype
+    ctx.save_for_backward(y, rstd, residual, x_kept, weight, bias)
+
+
+def _op_autograd_backward(ctx, dy, *_):
+    if dy is None:
+        return None, None, None, None, None
+    y, rstd, residual, x_kept, weight, bias = ctx.saved_tensors
+    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+    dx, dw, db = torch.ops.invact.norm_backward(
+        dy, y, rstd, residual, x_kept, weight, bias, ctx.variant, ctx.x_dtype, needs
+    )
+    return (dx if needs[0] else None, dw if needs[1] and weight is not None else None,
+            db if needs[2] and bias is not None else None, None, None)  # fmt: skip
+
+
+_op_forward.register_autograd(_op_autograd_backward, setup_context=_op_setup_context)
+
+
+class InvNorm(nn.Module):
+    """A normalization over the last dimension that saves its output and per-row rstd for backward
+    (see the module docstring). `variant`: a name in VARIANTS; `weight`, `bias`: the replaced module's
+    parameters (the same Parameter objects, so optimizers and state dicts see no change; None where it
+    has none); `eps`: its epsilon (None: torch's RMSNorm default). Exposes eps under the replaced
+    module's attribute name too (Hugging Face's `variance_epsilon`)."""
+
+    def __init__(self, variant: str, weight, bias, eps: float | None, replaces: str = "") -> None:
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown norm variant {variant!r} (choose from {', '.join(VARIANTS)})")
+        self.variant, self.replaces = variant, replaces
+        self.weight, self.bias = weight, bias
+        self.eps = eps
+        self._checked: tuple | None = None  # (the parameters' versions and dtype, invertible)
+
+    def __getattr__(self, name: str):
+        if name != "eps" and name == VARIANTS[self.__dict__.get("variant", "rms")].eps:
+            return self.eps
+        return super().__getattr__(name)
+
+    def _invertible(self, dtype: torch.dtype) -> bool:
+        w, b = self.weight, self.bias
+        key = tuple((t.data_ptr(), t._version) if t is not None else None for t in (w, b)) + (dtype,)
+        if self._checked is None or self._checked[0] != key:
+            self._checked = (key, invertible(w, b, VARIANTS[self.variant], dtype))
+        return self._checked[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = VARIANTS[self.variant]
+        eps = default_eps(v, x.dtype) if self.eps is None else self.eps
+        params = [t for t in (self.weight, self.bias) if t is not None]
+        recording = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+        if (
+            not recording
+            or torch._C._are_functorch_transforms_active()
+            or x.dtype == torch.float64
+            and v.upcast == "float32"  # the module lowers it: nothing to keep
+        ):
+            return forward(x, self.weight, self.bias, eps, v)[0]
+        if torch.compiler.is_compiling():  # traced as the custom op (see _op_forward)
+            return torch.ops.invact.norm_forward(x, self.weight, self.bias, eps, self.variant)[0]
+        return _Norm.apply(x, self.weight, self.bias, eps, v, self._invertible)
+
+    def extra_repr(self) -> str:
+        shape = tuple(self.weight.shape) if self.weight is not None else ()
+        return f"{self.variant!r}, {shape}, eps={self.eps}, replaces={self.replaces!r}"
+
+
+def _qualname(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def is_candidate(module: nn.Module) -> bool:
+    """A module patch() considers: a class of the spec, or a leaf module whose class name matches its
+    pattern (FIND); never an InvNorm."""
+    if isinstance(module, InvNorm):
+        return False
+    if _qualname(module) in CLASSES:
+        return True
+    return not any(True for _ in module.children()) and bool(FIND.search(type(module).__name__))
+
+
+def _probe_tensors(module: nn.Module, v: Variant, dtype: torch.dtype, generator: torch.Generator):
+    """(x, parameters) for one probe: 5 rows of the module's width on CPU, the parameters random
+    (weight near its offset's 1, so every variant's y is well away from zero) in their own dtypes."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    d = weight.shape[-1] if weight is not None else getattr(module, "normalized_shape", (0,))[-1]
+    x = torch.randn(5, d, generator=generator).to(dtype)
+    params = {}
+    if weight is not None:
+        w = torch.randn(d, generator=generator) * 0.25 + (0.0 if v.offset else 1.0)
+        params["weight"] = w.to(weight.dtype if weight.dtype.is_floating_point else torch.float32)
+    if bias is not None:
+        params["bias"] = (torch.randn(d, generator=generator) * 0.25).to(bias.dtype)
+    return x, params
+
+
+def _structure(module: nn.Module, v: Variant) -> str | None:
+    """Why the module cannot be variant v whatever its forward computes; None if it can."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if weight is not None and not (isinstance(weight, nn.Parameter) and weight.dim() == 1):
+        return "its weight is not a 1-D parameter"
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None and len(tuple(shape)) != 1:
+        return f"it normalizes over {len(tuple(shape))} dimensions (InvNorm: the last one)"
+    if weight is None and shape is None:
+        return "it has neither a weight nor a normalized_shape to tell its width"
+    if bias is not None and not (isinstance(bias, nn.Parameter) and v.bias):
+        return "it adds a bias the formula has not" if not v.bias else "its bias is not a parameter"
+    if not hasattr(module, v.eps):
+        return f"it has no {v.eps!r} attribute"
+    eps = getattr(module, v.eps)
+    if not (isinstance(eps, float) or (eps is None and v.name == "rms_torch")):
+        return f"its {v.eps} is {eps!r}, not a float"
+    if any(True for _ in module.buffers()):
+        return "it holds buffers"
+    return None
+
+
+_MATCHED: dict[tuple, tuple[str | None, str]] = {}
+
+
+def match(module: nn.Module) -> tuple[str | None, str]:
+    """(variant, why) for a candidate module: the first variant (the spec's class entry first) whose
+    formula gives the module's own forward output bitwise on probes in float32 and bfloat16 (CPU,
+    random parameters of the module's shapes and dtypes), else (None, why not). Remembered per class
+    and the dtypes and kinds of what the module holds (what the probe's answer depends on)."""
+    names = ("weight", "bias", "eps", "variance_epsilon", "normalized_shape")
+    held = (getattr(module, a, None) for a in names)
+    key = (type(module), *((getattr(t, "dtype", None), getattr(t, "shape", None), type(t)) for t in held))
+    if key not in _MATCHED:
+        _MATCHED[key] = _match(module)
+    return _MATCHED[key]
+
+
+def _match(module: nn.Module) -> tuple[str | None, str]:
+    listed = CLASSES.get(_qualname(module))
+    order = ([listed] if listed else []) + [n for n in VARIANTS if n != listed]
+    reasons = []
+    for name in order:
+        v = VARIANTS[name]
+        why = _structure(module, v)
+        if why is None:
+            why = _differs(module, v)
+        if why is None:
+            return name, f"computes the {name!r} formula (checked bitwise on a probe)"
+        reasons.append(f"{name}: {why}")
+    if listed:
+        return None, "matches no norm formula: " + reasons[0]
+    return None, "matches no norm formula of the spec"
+
+
+def _differs(module: nn.Module, v: Variant) -> str | None:
+    generator = torch.Generator().manual_seed(0)
+    # torch's rms_norm warns of mixed dtypes (a 16-bit x, an fp32 weight); the probe is of the formula,
+    # not of an autocast region patch() may be called in
+    with warnings.catch_warnings(), torch.autocast("cpu", enabled=False):
+        warnings.simplefilter("ignore")
+        return _differs_quietly(module, v, generator)
+
+
+def _differs_quietly(module: nn.Module, v: Variant, generator: torch.Generator) -> str | None:
+    weight = getattr(module, "weight", None)
+    own = weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32
+    compared = 0
+    for dtype in dict.fromkeys((own, torch.float32, torch.bfloat16)):
+        x, params = _probe_tensors(module, v, dtype, generator)
+        eps = getattr(module, v.eps)
+        try:
+            with torch.no_grad():
+                theirs = torch.func.functional_call(module, params, (x,), strict=False)
+        except Exception as e:  # noqa: BLE001 - any failure of the module's forward on the probe
+            if dtype != own:  # an input of another dtype than its weight's, which it need not take
+                continue
+            return f"its forward fails on a probe ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+        with torch.no_grad():
+            ours = forward(
+                x, params.get("weight"), params.get("bias"), default_eps(v, dtype) if eps is None else eps, v
+            )[0]
+        same = isinstance(theirs, torch.Tensor) and theirs.dtype == ours.dtype and torch.equal(theirs, ours)
+        if not same:
+            return f"its {dtype} output differs from the formula's on a probe"
+        compared += 1
+    return None if compared else "its forward runs on no probe"
+
+
+def replacement(module: nn.Module, variant: str) -> InvNorm:
+    """The InvNorm that replaces `module` (holding its very parameters)."""
+    v = VARIANTS[variant]
+    new = InvNorm(variant, getattr(module, "weight", None), getattr(module, "bias", None),
+                  getattr(module, v.eps), replaces=_qualname(module))  # fmt: skip
+    new.train(module.training)
+    return new

@@ -1,0 +1,264 @@
+"""invact.norm: inverted RMSNorm / LayerNorm. Every class and variant comes from the norm spec
+(invact/_generated/norms.py, printed from coeffs/norms.json)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+from invact import norm
+from invact.norm import CLASSES, RHO_MAX, VARIANTS, InvNorm
+
+U32 = 2.0**-24  # fp32 unit roundoff
+# The 16-bit gradients' promise (docs/results/accuracy.md): an inverted norm's bf16 and fp16 dx and
+# dweight no farther from float64 (RMS) than 1.25x the replaced module's own; measured on CPU at
+# 2048 x 512 (this test; Intel Xeon, torch 2.13): bf16 and fp16 dx 0.58-1.00x, dweight 0.06-1.06x.
+RATIO_16BIT = 1.25
+
+
+def _load(qualname: str):
+    module, _, name = qualname.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+# (class, variant) for every class of the spec that imports here (timm is optional)
+LISTED = [(cls, variant) for cls, variant in CLASSES.items() if _load(cls) is not None]
+# one importable class per variant, the first the spec lists
+ONE_PER_VARIANT = {variant: cls for cls, variant in reversed(LISTED)}
+
+
+def _module(qualname: str, d: int, seed: int = 0) -> nn.Module:
+    """An instance of the class at width d with random parameters (weight near its offset's 1)."""
+    m = _load(qualname)(d)
+    v = VARIANTS[CLASSES[qualname]]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(d, generator=g) * 0.1 + (0.0 if v.offset else 1.0))
+        if getattr(m, "bias", None) is not None:
+            m.bias.copy_(torch.randn(d, generator=g) * 0.1)
+    return m
+
+
+def _inverted(m: nn.Module) -> InvNorm:
+    variant, _ = norm.match(m)
+    return norm.replacement(m, variant)
+
+
+def test_spec_has_every_variant_a_class():
+    assert set(ONE_PER_VARIANT) == set(VARIANTS), "a variant no importable class of the spec computes"
+
+
+@pytest.mark.parametrize("qualname,variant", LISTED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_is_the_modules_bitwise(qualname, variant, dtype):
+    m = _module(qualname, 48).to(dtype)
+    assert norm.match(m)[0] == variant
+    x = torch.randn(3, 7, 48).to(dtype).requires_grad_()
+    ours = _inverted(m)(x)
+    assert torch.equal(ours, m(x))
+
+
+def _reference(m: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """float64 (dx, dweight) of the variant's formula, from the module's parameters."""
+    v = VARIANTS[norm.match(m)[0]]
+    x64 = x.detach().double().requires_grad_()
+    w64 = m.weight.detach().double().requires_grad_()
+    b64 = m.bias.detach().double() if getattr(m, "bias", None) is not None else None
+    if v.center:
+        mu = x64.mean(-1, keepdim=True)
+        h = (x64 - mu) * torch.rsqrt((x64 - mu).pow(2).mean(-1, keepdim=True) + m.eps)
+    else:
+        eps = getattr(m, v.eps) or torch.finfo(torch.float32).eps
+        h = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    y = h * (w64 + v.offset) + (b64 if b64 is not None else 0)
+    y.backward(dy.double())
+    return x64.grad, w64.grad, h.detach()
+
+
+def _grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    x = x.detach().clone().requires_grad_()
+    module.weight.grad = None
+    module(x).backward(dy)
+    return x.grad.double(), module.weight.grad.double()
+
+
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
+def test_fp32_gradients_within_the_derived_bound(variant):
+    """Elementwise, against float64: the bound of the module docstring with y's rounding plus the
+    fp32 statistics, and the backward's own fp32 arithmetic."""
+    d, rows = 64, 32
+    m = _module(ONE_PER_VARIANT[variant], d)
+    x, dy = torch.randn(rows, d) * 3, torch.randn(rows, d)
+    dx, dw = _grads(_inverted(m), x, dy)
+    dx64, dw64, h = _reference(m, x, dy)
+    v = VARIANTS[variant]
+    w_eff = m.weight.detach().double() + v.offset
+    b = m.bias.detach().double().abs() if getattr(m, "bias", None) is not None else 0.0
+    rho = b / w_eff.abs()
+    # h's error: y's rounding (1), the fp32 subtract and divide (2), the fp32 statistics (rstd from a
+    # sum of d squares: d/2 + 3 roundings, relative)
+    eps_h = (6 + d / 2) * U32 * (h.abs() + rho)
+    rstd = torch.rsqrt(
+        (x.double() - (x.double().mean(-1, keepdim=True) if v.center else 0)).pow(2).mean(-1, keepdim=True)
+    )
+    g = dy.double() * w_eff
+    m_gh = (g * h).mean(-1, keepdim=True)
+    # dx = rstd (g [- mean g] - h mean(g h)): first order in h's error, plus the backward's own
+    # roundings (a mean over d elements: d roundings at worst, relative to the mean of |g h|)
+    arith = (
+        (4 + d)
+        * U32
+        * (g.abs() + h.abs() * (g * h).abs().mean(-1, keepdim=True) + g.abs().mean(-1, keepdim=True))
+    )
+    bound_dx = rstd * (eps_h * m_gh.abs() + h.abs() * (g.abs() * eps_h).mean(-1, keepdim=True) + arith)
+    assert ((dx - dx64).abs() <= bound_dx).all(), float(((dx - dx64).abs() / bound_dx).max())
+    # dweight = sum over rows of dy h: each term's h error, plus a sum of `rows` terms
+    bound_dw = (dy.double().abs() * (eps_h + (rows + 2) * U32 * h.abs())).sum(0)
+    assert ((dw - dw64).abs() <= bound_dw).all(), float(((dw - dw64).abs() / bound_dw).max())
+
+
+def _rms(a, b) -> float:
+    return float((a - b).pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
+def test_16bit_gradients_no_farther_from_float64_than_the_modules(variant, dtype):
+    torch.manual_seed(0)
+    d, rows = 512, 2048
+    m = _module(ONE_PER_VARIANT[variant], d).to(dtype)
+    x, dy = (torch.randn(rows, d) * 2).to(dtype), torch.randn(rows, d).to(dtype)
+    eager = _grads(m, x, dy)
+    ours = _grads(_inverted(m), x, dy)
+    reference = _reference(m, x, dy)[:2]
+    for name, e, o, r in zip(("dx", "dweight"), eager, ours, reference, strict=True):
+        assert _rms(o, r) <= RATIO_16BIT * _rms(e, r), f"{name}: {_rms(o, r) / _rms(e, r):.3f}x the module's"
+
+
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
+def test_a_zero_weight_entry_saves_x_and_stays_exact(variant):
+    m = _module(ONE_PER_VARIANT[variant], 32)
+    with torch.no_grad():
+        m.weight[5] = -VARIANTS[variant].offset  # w_eff = 0: h cannot be recovered from y there
+    inv = _inverted(m)
+    x, dy = torch.randn(4, 32), torch.randn(4, 32)
+    xa = x.clone().requires_grad_()
+    y = inv(xa)
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert any(t is xa or (t.shape == x.shape and torch.equal(t, x)) for t in saved), "x was not kept"
+    y.backward(dy)
+    dx, dw = xa.grad.double(), m.weight.grad.double()
+    dx64, dw64, _ = _reference(m, x, dy)
+    assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+    # kept x: the module's own backward, fp32 against float64 (same arithmetic budget as above)
+    assert _rms(dx, dx64) <= 1e-5 * float(dx64.pow(2).mean().sqrt())
+    assert _rms(dw, dw64) <= 1e-5 * float(dw64.pow(2).mean().sqrt())
+
+
+def test_invertible_follows_rho():
+    v = VARIANTS["layer"]
+    w = torch.ones(4)
+    assert norm.invertible(w, torch.full((4,), RHO_MAX), v, torch.bfloat16)
+    assert not norm.invertible(w, torch.full((4,), RHO_MAX * 1.01), v, torch.bfloat16)
+    # fp16's subnormals: |w| under 2^-14 (eta / u) cannot carry an h of order 1
+    r = VARIANTS["rms"]
+    assert norm.invertible(torch.full((4,), 2.0**-13), None, r, torch.float16)
+    assert not norm.invertible(torch.full((4,), 2.0**-15), None, r, torch.float16)
+    assert norm.invertible(torch.full((4,), 2.0**-15), None, r, torch.bfloat16)
+    assert not norm.invertible(torch.tensor([1.0, float("nan")]), None, r, torch.float32)
+
+
+def test_decision_is_made_again_when_the_weight_changes():
+    m = _module(ONE_PER_VARIANT["rms"], 16)
+    inv = _inverted(m)
+    x = torch.randn(2, 16, requires_grad=True)
+    assert inv(x).grad_fn.saved_tensors[0].shape == x.shape
+    assert not _keeps_x(inv, x)
+    with torch.no_grad():
+        m.weight[0] = 0.0  # an optimizer's in-place step bumps the version counter the same way
+    assert _keeps_x(inv, x)
+
+
+def _keeps_x(inv: InvNorm, x: torch.Tensor) -> bool:
+    y = inv(x)
+    return any(t is not None and t is not y and torch.equal(t, x) for t in y.grad_fn.saved_tensors)
+
+
+@pytest.mark.parametrize("variant", ["rms_torch", "layer"])  # the variants that keep float64 as float64
+def test_gradcheck_float64(variant):
+    m = _module(ONE_PER_VARIANT[variant], 6).double()
+    inv = _inverted(m)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: torch.func.functional_call(inv, {"weight": w}, (x,)),
+                                    (x, m.weight.detach().clone().requires_grad_()))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_residual_round_trip_recovers_the_product(dtype):
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randn(100_001, generator=g) * torch.logspace(-30, 30, 100_001)
+    # exact ties: a bf16 value plus half its ulp (bit 15 of the fp32 pattern alone set)
+    ties = (pre[:1000].to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)
+    pre = torch.cat([pre, ties])
+    y = pre.to(dtype)
+    back = norm.decode_residual(y, norm.encode_residual(pre, y))
+    ulp = norm._ulp(y.float(), dtype)
+    finite = torch.isfinite(y.float())
+    err = (back - pre).abs()
+    # within 1/32 of y's ulp, 1/16 at fp16's clamp (decode_residual's docstring), ties included
+    assert (err[finite] <= ulp[finite] / (32 if dtype == torch.bfloat16 else 16)).all()
+
+
+def test_unlisted_class_is_found_by_its_formula():
+    class MyModelRMSNorm(nn.Module):  # a Hugging Face-style copy under another name
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            dtype = x.dtype
+            x = x.to(torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * x.to(dtype)
+
+    class OtherRMSNorm(MyModelRMSNorm):
+        def forward(self, x):  # no square root: not a norm the spec has
+            return self.weight * x / (x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    assert norm.is_candidate(MyModelRMSNorm(8))
+    assert norm.match(MyModelRMSNorm(8))[0] == "rms"
+    variant, why = norm.match(OtherRMSNorm(8))
+    assert variant is None and "no norm formula" in why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
+def test_autocast_gives_the_modules_output_and_gradient_dtypes(variant, dtype):
+    m = _module(ONE_PER_VARIANT[variant], 32)
+    x = torch.randn(4, 32).to(dtype).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs, ours = m(x), _inverted(m)(x)
+    assert torch.equal(theirs, ours)
+    ours.float().sum().backward()
+    assert x.grad.dtype == dtype and m.weight.grad.dtype == m.weight.dtype
+
+
+def test_layer_norm_follows_autocasts_dtype(monkeypatch):
+    """Where autocast runs F.layer_norm in fp32 (CUDA's rule), the inverted LayerNorm computes in fp32
+    too: simulated on CPU by the answer _layer_norm_dtype caches."""
+    m = _module(ONE_PER_VARIANT["layer"], 16).to(torch.bfloat16)
+    x = torch.randn(3, 16).to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        monkeypatch.setitem(norm._AUTOCAST_LAYER_NORM, ("cpu", torch.bfloat16, torch.bfloat16), torch.float32)
+        y = _inverted(m)(x)
+    expected = torch.nn.functional.layer_norm(x.float(), (16,), m.weight.float(), m.bias.float(), m.eps)
+    assert y.dtype == torch.float32 and torch.equal(y, expected)
+    y.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.bfloat16
