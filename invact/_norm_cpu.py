@@ -16,10 +16,45 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
 
+from invact._cpu_math import _f32_as_i32, _i32_as_f32
 from invact._numba import SERIAL
 
 _FAST = {"reassoc", "contract"}  # vectorized row sums and FMAs; no approximate division or functions
+
+
+def _load(v):  # pragma: no cover - replaced by the overload below in compiled code
+    """An element as fp32: itself, or for a bf16 tensor's bits (uint16) the fp32 they are the top of."""
+
+
+@overload(_load, inline="always")
+def _load_impl(v):
+    if isinstance(v, types.Integer):  # bf16 bits: exactly the fp32 with these 16 bits on top
+        return lambda v: _i32_as_f32(np.int32(v) << np.int32(16))
+    return lambda v: np.float32(v)
+
+
+def _store(out, r, j, value):  # pragma: no cover - replaced by the overload below in compiled code
+    """out[r, j] = value, rounded to bf16 (to nearest, ties to even) where out holds bf16 bits."""
+
+
+@overload(_store, inline="always")
+def _store_impl(out, r, j, value):
+    if isinstance(out.dtype, types.Integer):
+
+        def store_bf16(out, r, j, value):
+            bits = _f32_as_i32(value)
+            rounded = (bits + np.int32(0x7FFF) + ((bits >> np.int32(16)) & np.int32(1))) >> np.int32(16)
+            out[r, j] = np.uint16(rounded & np.int32(0xFFFF))
+
+        return store_bf16
+
+    def store(out, r, j, value):
+        out[r, j] = value
+
+    return store
 
 
 @numba.njit(inline="always", fastmath=_FAST)
@@ -30,18 +65,19 @@ def _rows(y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop):  # pr
         s_g = np.float32(0.0)
         s_gh = np.float32(0.0)
         for j in range(d):
-            h = y[r, j] * scale[j] - shift[j]
-            g = dy[r, j] * w_eff[j]
+            h = _load(y[r, j]) * scale[j] - shift[j]
+            g = _load(dy[r, j]) * w_eff[j]
             s_g += g
             s_gh += g * h
         m_g = s_g * inv_d if center else np.float32(0.0)
         m_gh = s_gh * inv_d
         a = rstd[r]
         for j in range(d):
-            h = y[r, j] * scale[j] - shift[j]
-            dx[r, j] = a * (dy[r, j] * w_eff[j] - m_g - h * m_gh)
-            acc[0, j] += dy[r, j] * h
-            acc[1, j] += dy[r, j]
+            h = _load(y[r, j]) * scale[j] - shift[j]
+            g_out = _load(dy[r, j])
+            _store(dx, r, j, a * (g_out * w_eff[j] - m_g - h * m_gh))
+            acc[0, j] += g_out * h
+            acc[1, j] += g_out
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FAST)
@@ -58,12 +94,18 @@ def _serial(y, dy, scale, shift, w_eff, rstd, center, dx, partial):  # pragma: n
     _rows(y, dy, scale, shift, w_eff, rstd, center, dx, partial[0], 0, y.shape[0])
 
 
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A contiguous fp32 or bf16 tensor as numpy (bf16 as its uint16 bits); other dtypes as fp32."""
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.uint16).numpy()
+    return t.float().contiguous().numpy()
+
+
 def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor, center: bool):
-    """(dx, sum over rows of dy h, sum over rows of dy), fp32, for y and dy of shape (rows, d) (fp32,
-    or 16-bit: converted first), w_eff and bias (d,) or None, rstd (rows, 1)."""
+    """(dx in dy's dtype where that is fp32 or bf16, else fp32; sum over rows of dy h; sum over rows
+    of dy) for y and dy of shape (rows, d) (fp32 or bf16 read as they are, others converted), w_eff
+    and bias (d,) or None, rstd (rows, 1). Sums in fp32."""
     rows, d = y.shape
-    y32 = y.float().contiguous()
-    dy32 = dy.float().contiguous()
     if w_eff is None:
         w = torch.ones(d)
         scale = w
@@ -71,11 +113,12 @@ def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor,
         w = w_eff.float().contiguous()
         scale = 1.0 / w
     shift = (bias.float() * scale).contiguous() if bias is not None else torch.zeros(d)
-    dx = torch.empty_like(y32)
-    threads = 1 if y.numel() <= SERIAL else numba.get_num_threads()
+    dx = torch.empty(rows, d, dtype=dy.dtype if dy.dtype == torch.bfloat16 else torch.float32)
+    # as many spans as torch has threads (torch.set_num_threads holds for this op too), at most numba's
+    threads = 1 if y.numel() <= SERIAL else max(1, min(torch.get_num_threads(), numba.get_num_threads()))
     partial = np.zeros((threads, 2, d), dtype=np.float32)
     kernel = _serial if threads == 1 else _parallel
-    kernel(y32.numpy(), dy32.numpy(), scale.contiguous().numpy(), shift.numpy(), w.numpy(),
-           rstd.float().reshape(rows).contiguous().numpy(), center, dx.numpy(), partial)  # fmt: skip
+    kernel(_array(y), _array(dy), scale.contiguous().numpy(), shift.numpy(), w.numpy(),
+           rstd.float().reshape(rows).contiguous().numpy(), center, _array(dx), partial)  # fmt: skip
     sums = partial.sum(axis=0)
     return dx, torch.from_numpy(sums[0].copy()), torch.from_numpy(sums[1].copy())  # not views of one array

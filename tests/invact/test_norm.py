@@ -262,3 +262,22 @@ def test_layer_norm_follows_autocasts_dtype(monkeypatch):
     assert y.dtype == torch.float32 and torch.equal(y, expected)
     y.sum().backward()
     assert x.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [7, 1024])  # the serial kernel, and the parallel one (over SERIAL)
+def test_cpu_kernel_reads_and_rounds_bf16_as_torch_does(rows):
+    """The fused CPU backward reads bf16 y and dy as their bits and writes a bf16 dx: the fp32 path's
+    dx rounded to nearest even, bitwise torch's cast."""
+    pytest.importorskip("numba")
+    from invact import _norm_cpu
+
+    g = torch.Generator().manual_seed(0)
+    d = 96
+    y, dy = torch.randn(rows, d, generator=g).bfloat16(), torch.randn(rows, d, generator=g).bfloat16()
+    w, b = torch.rand(d, generator=g) + 0.5, torch.randn(d, generator=g) * 0.1
+    rstd = torch.rand(rows, 1, generator=g) + 0.5
+    for center in (False, True):
+        dx16, dw16, db16 = _norm_cpu.backward(y, dy, w, b, rstd, center)
+        dx32, dw32, db32 = _norm_cpu.backward(y.float(), dy.float(), w, b, rstd, center)
+        assert dx16.dtype == torch.bfloat16 and torch.equal(dx16, dx32.bfloat16())
+        assert torch.equal(dw16, dw32) and torch.equal(db16, db32)
