@@ -210,6 +210,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _triton_backend(t: torch.Tensor) -> bool:
+    """The activations' rule (invact.ops.backend_for): Triton for CUDA tensors, or INVACT_BACKEND."""
+    from invact.ops import backend_for
+
+    return backend_for(t) == "triton"
+
+
 def _numba_available() -> bool:
     from invact import _numba
 
@@ -224,6 +231,16 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
     cd = compute_dtype(v, kept.dtype)
     rstd_c = _rows(rstd.to(cd))
     w_eff = None if weight is None else (weight.to(cd) + v.offset if v.offset else weight.to(cd))
+    if not from_x and cd == torch.float32 and _triton_backend(kept):  # one fused pass (Triton)
+        from invact import _norm_triton
+
+        packed = residual if residual is not None and kept.dtype == torch.bfloat16 else None
+        y = _rows(kept if residual is None or packed is not None else decode_residual(kept, residual))
+        dx, dw, db = _norm_triton.backward(y, packed, _rows(dy), weight, bias, rstd_c, v.center, v.offset)
+        dx = dx.reshape(dy.shape) if needs[0] else None
+        dw = dw.to(weight.dtype) if needs[1] and weight is not None else None
+        db = db.to(bias.dtype) if needs[2] and bias is not None else None
+        return dx, dw, db
     if not from_x and cd == torch.float32 and kept.is_cpu and _numba_available():  # one fused pass
         from invact import _norm_cpu
 

@@ -281,3 +281,68 @@ def test_cpu_kernel_reads_and_rounds_bf16_as_torch_does(rows):
         dx32, dw32, db32 = _norm_cpu.backward(y.float(), dy.float(), w, b, rstd, center)
         assert dx16.dtype == torch.bfloat16 and torch.equal(dx16, dx32.bfloat16())
         assert torch.equal(dw16, dw32) and torch.equal(db16, db32)
+
+
+def _fused(kind: str):
+    """The fused backward of `kind` with the CPU kernel's signature (the Triton one under the
+    interpreter on CPU, see tests/conftest.py)."""
+    if kind == "numba":
+        pytest.importorskip("numba")
+        from invact import _norm_cpu
+
+        return _norm_cpu.backward
+    pytest.importorskip("triton")
+    from invact import _norm_triton
+
+    return lambda y, dy, w, b, rstd, center: _norm_triton.backward(y, None, dy, w, b, rstd, center, 0)
+
+
+@pytest.mark.parametrize("kind", ["numba", "triton"])
+@pytest.mark.parametrize("center", [False, True])
+@pytest.mark.parametrize("rows,d", [(3, 5), (17, 100), (9, 64)])  # a partial last program, a masked row
+def test_fused_backwards_within_fp32_rounding_of_the_formula(kind, center, rows, d):
+    """Against the same formula in float64 on the same inputs: each fp32 operation of the kernels
+    (h's scale and shift, g, the row sums over d, the final combination) within its rounding:
+    (4 + d) u32 on the sums of the terms' magnitudes, and the row sums over `rows` for dw, db."""
+    g = torch.Generator().manual_seed(rows * d)
+    y, dy = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)
+    w, b = torch.rand(d, generator=g) + 0.5, torch.randn(d, generator=g) * 0.1
+    rstd = torch.rand(rows, 1, generator=g) + 0.5
+    dx, dw, db = _fused(kind)(y, dy, w, b, rstd, center)
+    h = (y.double() - b.double()) / w.double()
+    gd = dy.double() * w.double()
+    m_g = gd.mean(-1, keepdim=True) if center else 0.0
+    m_gh = (gd * h).mean(-1, keepdim=True)
+    want = rstd.double() * (gd - m_g - h * m_gh)
+    terms = gd.abs() + gd.abs().mean(-1, keepdim=True) + h.abs() * (gd * h).abs().mean(-1, keepdim=True)
+    assert ((dx.double() - want).abs() <= (4 + d) * U32 * rstd.double() * terms).all()
+    dw_terms = (dy.double() * h).abs().sum(0)
+    assert ((dw.double() - (dy.double() * h).sum(0)).abs() <= (4 + rows) * U32 * dw_terms).all()
+    assert ((db.double() - dy.double().sum(0)).abs() <= (2 + rows) * U32 * dy.double().abs().sum(0)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
+def test_triton_backend_gives_the_cpu_backends_gradients(variant, dtype, monkeypatch):
+    """INVACT_BACKEND=triton routes an inverted norm's backward to the Triton kernel (CUDA's path; on
+    CPU under the interpreter), residuals included: its gradients within one bf16 ulp (the interpreter
+    truncates casts where CPUs round) or fp32 rounding of the CPU backend's."""
+    pytest.importorskip("triton")
+    from invact import _norm_triton
+
+    d = 40
+    m = _module(ONE_PER_VARIANT[variant], d).to(dtype)
+    x, dy = torch.randn(6, d).to(dtype), torch.randn(6, d).to(dtype)
+    want = _grads(_inverted(m), x, dy)
+    calls = []
+    kernel = _norm_triton.backward
+    monkeypatch.setattr(_norm_triton, "backward", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setenv("INVACT_BACKEND", "triton")
+    got = _grads(_inverted(m), x, dy)
+    assert calls, "the Triton kernel did not run"
+    # fp32: both fused kernels within (4 + d) roundings of the formula (the test above)
+    tol = (2.0**-7 if dtype == torch.bfloat16 else 2 * (4 + d) * U32) * max(
+        float(t.abs().max()) for t in want
+    )
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max() <= tol
