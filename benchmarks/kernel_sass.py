@@ -10,11 +10,13 @@ results/tune_<device>.json; fp16 takes bf16's copy: a copy moves bytes, not valu
 budget is memory-bound; one over it is compute-bound, and its predicted GB/s is the copy's times
 budget / instructions.
 
-Rows are the full-block kernels, which run whenever n is a multiple of the block (1024: every
-transformer shape here); --tails adds the masked kernels that run otherwise, whose loads may not be
-vectorized (one element at a time in 16-bit). Calibration: on the H100, gelu's bf16 backward (as it
-was then: 111 instructions per element counted for unaligned pointers, a specialization that never
-ran) measured 1852 GB/s against a copy of 2748; re-measure with tune.py when a GPU is lent. Writes
+Also the inverted norms' backward kernel (invact/_norm_triton.py) at width 4096, its static count
+per row bounding the instructions per element from above (measure_norms). Rows are the full-block
+kernels, which run whenever n is a multiple of the block (1024: every transformer shape here);
+--tails adds the masked kernels that run otherwise, whose loads may not be vectorized (one element
+at a time in 16-bit). Calibration: on the H100, gelu's bf16 backward (as it was then: 111
+instructions per element counted for unaligned pointers, a specialization that never ran) measured
+1852 GB/s against a copy of 2748; re-measure with tune.py when a GPU is lent. Writes
 results/kernel_sass_<tune device>.json and prints a markdown table.
 """
 
@@ -91,6 +93,42 @@ def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) 
     return rows
 
 
+# The inverted norms' backward kernel (invact/_norm_triton.py): (label, dtype, residuals, center).
+NORM_KERNELS = [
+    ("norm rms", "float32", False, False),
+    ("norm layer", "float32", False, True),
+    ("norm rms", "bfloat16", False, False),
+    ("norm layer", "bfloat16", False, True),
+    ("norm rms, residuals", "bfloat16", True, False),
+]
+
+
+def measure_norms(copy_gbps: dict[str, float]) -> list[dict]:
+    """The norm backward's rows. Its loop walks ROWS_PER_PROGRAM rows; the static count (the prologue,
+    which loads and inverts the weights once per program, and the loop body once) over one row's
+    elements per thread bounds the instructions per element from above. It moves y, dy and dx (and
+    half a byte of residuals)."""
+    from invact import _norm_triton
+
+    issue_rate = SMS * LANES_PER_CLOCK * CLOCK_HZ
+    per_thread = _norm_triton.SASS_WIDTH // (32 * _norm_triton.SASS_WARPS)
+    rows = []
+    for label, dtype_name, residual, center in NORM_KERNELS:
+        dtype = DTYPES[dtype_name]
+        counts = sass_counts(_norm_triton.compile_for(dtype, residual, center).asm["cubin"])
+        per_element = sum(counts.values()) / per_thread
+        moved = bytes_per_element("backward", dtype.itemsize, False) + (0.5 if residual else 0.0)
+        budget = issue_rate * moved / (copy_gbps[dtype_name] * 1e9)
+        rows.append({
+            "activation": label, "kernel": "backward", "dtype": dtype_name, "full_blocks": True,
+            "instructions_per_element": per_element, "budget_per_element": budget,
+            "bytes_per_element": moved, "copy_gbps": copy_gbps[dtype_name],
+            "predicted_gbps": copy_gbps[dtype_name] * min(1.0, budget / per_element),
+            "top_opcodes": dict(counts.most_common(6)),
+        })  # fmt: skip
+    return rows
+
+
 def copy_rates(tune: dict) -> dict[str, float]:
     """The same-bytes copy's GB/s per dtype from tune.py's JSON. A dtype it did not time takes the
     figure of one with the same element size (a copy moves bytes, not values: fp16 from bf16)."""
@@ -114,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="JSON path (default results/kernel_sass_<device>.json)")
     tails = "also the masked kernels (n not a multiple of the block)"
     parser.add_argument("--tails", action="store_true", help=tails)
+    no_norms = "leave out the inverted norms' backward kernel (invact/_norm_triton.py)"
+    parser.add_argument("--no-norms", dest="norms", action="store_false", help=no_norms)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         parser.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
@@ -127,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown activation(s) {', '.join(unknown)}; known: {', '.join(sorted(ACTIVATIONS))}")
     tune = json.loads(args.tune.read_text())
     copy_gbps = copy_rates(tune)
-    rows = measure(names, copy_gbps, args.tails)
+    rows = measure(names, copy_gbps, args.tails) + (measure_norms(copy_gbps) if args.norms else [])
     print(f"\nsm_90 SASS per element against {tune['device']}'s budget (copy GB/s: {args.tune.name})\n")
     print("| activation | kernel | dtype | blocks | instructions | budget | predicted GB/s | copy GB/s "
           "| share |")  # fmt: skip

@@ -81,3 +81,39 @@ def backward(y: torch.Tensor, residual, dy: torch.Tensor, weight, bias, rstd: to
     )  # fmt: skip
     sums = partial.sum(0)
     return dx, sums[0].clone(), sums[1].clone()
+
+
+# What kernel_sass.py compiles: the normalized width of a transformer (Llama-3-8B's 4096) with the
+# launch's default 4 warps, as a launch specializes it (pointers and d 16-byte aligned).
+SASS_WIDTH, SASS_WARPS = 4096, 4
+_POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def compile_for(dtype: torch.dtype, residual: bool, center: bool, d: int = SASS_WIDTH, arch: int = 90):
+    """The backward kernel compiled for NVIDIA compute capability `arch` (no GPU needed; not under
+    TRITON_INTERPRET=1) for y, dy and dx of `dtype`, with residuals or not, a LayerNorm (center, a
+    bias) or an RMSNorm, at width d."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    function = _backward_kernel
+    constexprs = {"CENTER": center, "HAS_W": True, "HAS_B": center, "OFFSET": 0.0, "RESIDUAL": residual,
+                  "ROWS": ROWS_PER_PROGRAM, "BLOCK_D": triton.next_power_of_2(d)}  # fmt: skip
+    signature = {}
+    for arg in function.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in ("y_ptr", "dy_ptr", "dx_ptr"):
+            signature[arg] = _POINTERS[dtype]
+        elif arg.endswith("_ptr"):
+            signature[arg] = "*u8" if arg == "res_ptr" else "*fp32"
+        else:
+            signature[arg] = "i32"
+    aligned = [i for i, arg in enumerate(function.arg_names) if arg.endswith("_ptr") or arg == "d"]
+    source = ASTSource(
+        function,
+        signature,
+        constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": SASS_WARPS})
