@@ -68,7 +68,6 @@ def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) 
     from invact import _triton
     from invact.activations import ACTIVATIONS
 
-    issue_rate = SMS * LANES_PER_CLOCK * CLOCK_HZ  # thread-instructions per second
     rows = []
     for name in names:
         act = ACTIVATIONS[name]
@@ -78,19 +77,25 @@ def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) 
             variants = itertools.product(DTYPES.items(), (True, False) if tails else (True,))
             for (dtype_name, dtype), even in variants:
                 compiled = _triton.compile_for(kernel, act, dtype, False, even=even)
-                counts = sass_counts(compiled.asm["cubin"])
-                per_element = sum(counts.values()) / per_thread
                 moved = bytes_per_element(kernel, dtype.itemsize, not act.monotone)
-                copy = copy_gbps[dtype_name] * 1e9
-                budget = issue_rate * moved / copy
-                rows.append({
-                    "activation": name, "kernel": kernel, "dtype": dtype_name, "full_blocks": even,
-                    "instructions_per_element": per_element, "budget_per_element": budget,
-                    "bytes_per_element": moved, "copy_gbps": copy_gbps[dtype_name],
-                    "predicted_gbps": copy_gbps[dtype_name] * min(1.0, budget / per_element),
-                    "top_opcodes": dict(counts.most_common(6)),
-                })  # fmt: skip
+                counts = sass_counts(compiled.asm["cubin"])
+                rows.append(_row(name, kernel, dtype_name, even, counts, per_thread, moved, copy_gbps))
     return rows
+
+
+def _row(label: str, kernel: str, dtype_name: str, even: bool, counts: collections.Counter, per_thread: int,
+         moved: float, copy_gbps: dict[str, float]) -> dict:  # fmt: skip
+    """One kernel's row: its instructions per element (the count over `per_thread` elements) against
+    the budget of `moved` bytes per element at the copy's GB/s, and the GB/s that predicts."""
+    per_element = sum(counts.values()) / per_thread
+    budget = SMS * LANES_PER_CLOCK * CLOCK_HZ * moved / (copy_gbps[dtype_name] * 1e9)
+    return {
+        "activation": label, "kernel": kernel, "dtype": dtype_name, "full_blocks": even,
+        "instructions_per_element": per_element, "budget_per_element": budget,
+        "bytes_per_element": moved, "copy_gbps": copy_gbps[dtype_name],
+        "predicted_gbps": copy_gbps[dtype_name] * min(1.0, budget / per_element),
+        "top_opcodes": dict(counts.most_common(6)),
+    }  # fmt: skip
 
 
 # The inverted norms' backward kernel (invact/_norm_triton.py): (label, dtype, residuals, center).
@@ -110,22 +115,13 @@ def measure_norms(copy_gbps: dict[str, float]) -> list[dict]:
     half a byte of residuals)."""
     from invact import _norm_triton
 
-    issue_rate = SMS * LANES_PER_CLOCK * CLOCK_HZ
     per_thread = _norm_triton.SASS_WIDTH // (32 * _norm_triton.SASS_WARPS)
     rows = []
     for label, dtype_name, residual, center in NORM_KERNELS:
         dtype = DTYPES[dtype_name]
         counts = sass_counts(_norm_triton.compile_for(dtype, residual, center).asm["cubin"])
-        per_element = sum(counts.values()) / per_thread
         moved = bytes_per_element("backward", dtype.itemsize, False) + (0.5 if residual else 0.0)
-        budget = issue_rate * moved / (copy_gbps[dtype_name] * 1e9)
-        rows.append({
-            "activation": label, "kernel": "backward", "dtype": dtype_name, "full_blocks": True,
-            "instructions_per_element": per_element, "budget_per_element": budget,
-            "bytes_per_element": moved, "copy_gbps": copy_gbps[dtype_name],
-            "predicted_gbps": copy_gbps[dtype_name] * min(1.0, budget / per_element),
-            "top_opcodes": dict(counts.most_common(6)),
-        })  # fmt: skip
+        rows.append(_row(label, "backward", dtype_name, True, counts, per_thread, moved, copy_gbps))
     return rows
 
 

@@ -352,20 +352,7 @@ def _measured_norms(model: nn.Module, decisions: list[Decision], example_inputs)
         if first[id(m)] == name:
             hooks.append(m.register_forward_pre_hook(lambda _m, _a, n=name: enter(n)))
             hooks.append(m.register_forward_hook(lambda _m, _a, out, n=name: leave(n, out)))
-    modes = {m: m.training for m in model.modules()}
-    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
-    args, kwargs = _as_call(example_inputs)
-    try:
-        model.train()
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model(*args, **kwargs)
-            del out
-    finally:
-        for h in hooks:
-            h.remove()
-        for m, training in modes.items():
-            m.train(training)
+    _training_forward(model, example_inputs, pack, hooks)
     result = []
     for d in decisions:
         if d.name not in todo:
@@ -515,6 +502,28 @@ def _hook_gated_products(model: nn.Module, parents: list[str]) -> None:
                      name or "the model")  # fmt: skip
 
 
+def _training_forward(model: nn.Module, example_inputs, pack, hooks: list, restore=()) -> None:
+    """One training-mode forward of `example_inputs` with `pack` as the saved-tensor hook, the RNG
+    state and every module's train/eval mode kept; then, also when it raises, the forward hooks
+    `hooks` removed and each (parent, attribute, object) of `restore` set back."""
+    modes = {m: m.training for m in model.modules()}
+    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
+    args, kwargs = _as_call(example_inputs)
+    try:
+        model.train()
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(*args, **kwargs)
+            del out
+    finally:
+        for h in hooks:
+            h.remove()
+        for parent, attr, obj in restore:
+            setattr(parent, attr, obj)
+        for m, training in modes.items():
+            m.train(training)
+
+
 def _as_call(example_inputs) -> tuple[tuple, dict]:
     if isinstance(example_inputs, dict):
         return (), example_inputs
@@ -636,22 +645,7 @@ def _measured(
     for parent in {id(m): m for m in parent_of.values()}.values() if gated else ():
         hooks.append(parent.register_forward_pre_hook(lambda m, a: count(m, 1)))
         hooks.append(parent.register_forward_hook(lambda m, a, out: count(m, -1)))
-    modes = {m: m.training for m in model.modules()}
-    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
-    args, kwargs = _as_call(example_inputs)
-    try:
-        model.train()
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model(*args, **kwargs)
-            del out
-    finally:
-        for h in hooks:
-            h.remove()
-        for parent, attr, obj in restore:
-            setattr(parent, attr, obj)
-        for m, training in modes.items():
-            m.train(training)
+    _training_forward(model, example_inputs, pack, hooks, restore)
     if not savers:
         raise ValueError("the example forward saved nothing for backward (does any input or parameter "
                          "require grad?): no saving can be measured")  # fmt: skip
