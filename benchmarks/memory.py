@@ -1,11 +1,12 @@
-"""Saved-activation memory of transformer models: torch eager, InvAct (bits, precision-bit) and
-torch.compile (default, and with activation_memory_budget), against the ideal saving and the paper.
+"""Saved-activation memory of transformer models: torch eager, InvAct (bits, precision-bit, gated,
+and patch()'s default with inverted norms) and torch.compile (default, with activation_memory_budget,
+and on the patched model), against the ideal saving and the paper.
 
 Every model is built from a transformers config with random weights (nothing is downloaded), in
-train mode, batch 1, fp32, SDPA attention, all dropout probabilities 0 (with attention dropout > 0
-CPU attention keeps its probability matrix, and the share saved falls). Bytes are what autograd
-saves in one forward pass (invact.memory.saved_tensors: distinct storages, parameters excluded).
-The torch.compile columns use the min-cut partitioner inductor uses (backend
+train mode, batch 1, fp32 (or --dtype bfloat16), SDPA attention, all dropout probabilities 0 (with
+attention dropout > 0 CPU attention keeps its probability matrix, and the share saved falls). Bytes
+are what autograd saves in one forward pass (invact.memory.saved_tensors: distinct storages,
+parameters excluded). The torch.compile columns use the min-cut partitioner inductor uses (backend
 aot_eager_decomp_partition: the same decision of what to save, without inductor's code generation).
 
 The ideal: per activation call, its input (n * 4 bytes) is no longer saved and ceil(n / 8) bytes of
@@ -16,6 +17,11 @@ one fused gate_up output (Phi-3, MoE experts) the activation-only patch frees no
 output saved; "InvAct bits" adds the bits there) and the gated path moves y and u into that output
 (freeing y's own storage), so the ideal holds for it alone. The gated families beyond Llama and
 Mistral are scaled down (4 layers of 512, seq 512).
+"InvAct gated" replaces activations only (norms=False); "patch()" is invact.patch's default, which
+also inverts the norms (invact.norm: each keeps its output and rstd, not its input). "norms held" is
+what the eager norms save beyond their outputs (inside the norm modules, parameters excluded);
+"Liger RMSNorm (computed)" is eager with each norm keeping, instead, its input (in its dtype) and an
+fp32 rstd per row, as Liger-Kernel's RMSNorm saves X and rstd (computed from the same forward, not run).
 invact.memory counts what it saves exactly (a test checks it against the profiler's net memory held
 after the forward). Prints a markdown table and writes benchmarks/results/memory_<device>.{json,md}.
 """
@@ -219,13 +225,49 @@ def _ideal_saving(model: nn.Module, inputs: dict) -> int:
     activations = [
         m for m in model.modules() if f"{type(m).__module__}.{type(m).__qualname__}" in REPLACEABLE
     ]
-    hooks = [m.register_forward_hook(lambda mod, i, o: sizes.append(o.numel() * o.element_size()))
+    hooks = [m.register_forward_hook(lambda mod, i, o: sizes.append((o.numel(), o.element_size())))
              for m in activations]  # fmt: skip
     with torch.no_grad():
         model(**inputs)
     for h in hooks:
         h.remove()
-    return sum(b - (b // 4 + 7) // 8 for b in sizes)  # fp32: n = b / 4 elements, ceil(n / 8) bytes of bits
+    return sum(n * size - (n + 7) // 8 for n, size in sizes)  # its input no longer, ceil(n / 8) bytes of bits
+
+
+def _norms(model: nn.Module, inputs: dict) -> tuple[int, int]:
+    """(bytes the eager norms save beyond their outputs, bytes Liger's RMSNorm would keep instead: each
+    call's input in its dtype and an fp32 rstd per row), from one training forward."""
+    from invact.memory import parameter_storages, storage_id
+    from invact.norm import is_candidate
+
+    params = parameter_storages(model)
+    inside, outputs, saved, liger = [], {}, {}, []
+
+    def enter(_module, args) -> None:
+        inside.append(1)
+        x = args[0]
+        liger.append(x.numel() * x.element_size() + 4 * (x.numel() // x.shape[-1]))
+
+    def leave(_module, _args, y) -> None:
+        inside.pop()
+        outputs[storage_id(y)] = y  # held to the end: no later tensor takes its address
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside:
+            saved[storage_id(t)] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = []
+    for m in model.modules():
+        if is_candidate(m):
+            hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _Call(model, inputs)()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(n for ptr, n in saved.items() if ptr not in params and ptr not in outputs), sum(liger)
 
 
 def _gated_products(model: nn.Module, inputs: dict) -> int:
@@ -247,7 +289,7 @@ def _gated_products(model: nn.Module, inputs: dict) -> int:
     return sum(seen.values())
 
 
-def _compiled_bytes(model: nn.Module, inputs: dict, budget: float | None) -> int:
+def _compiled_bytes(model: nn.Module, inputs: dict, budget: float | None = None) -> int:
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()
@@ -257,10 +299,11 @@ def _compiled_bytes(model: nn.Module, inputs: dict, budget: float | None) -> int
         return saved_tensors(compiled).saved_bytes
 
 
-def measure(case: Case, small: bool, compile_columns: bool, budget: float) -> dict:
+def measure(case: Case, small: bool, compile_columns: bool, budget: float, dtype=torch.float32) -> dict:
     torch.manual_seed(0)
     model, inputs = case.build(small)
-    model.train()
+    model.to(dtype).train()
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     row = {"model": case.name, "setup": case.setup if not small else "tiny config (smoke run)"}
     row["fused_gate_up"] = case.fused_gate_up
     row["torch_eager"] = saved_tensors(_Call(model, inputs)).saved_bytes
@@ -268,13 +311,19 @@ def measure(case: Case, small: bool, compile_columns: bool, budget: float) -> di
     if compile_columns:
         row["compile_default"] = _compiled_bytes(model, inputs, None)
         row["compile_budget"] = _compiled_bytes(model, inputs, budget)
-    row["replaced"] = len(invact.patch(model, gated=False))  # activations only
+    row["norms_held"], liger = _norms(model, inputs)
+    row["liger_rmsnorm"] = row["torch_eager"] - row["norms_held"] + liger
+    row["replaced"] = len(invact.patch(model, gated=False, norms=False))  # activations only
     row["invact_bits"] = saved_tensors(_Call(model, inputs)).saved_bytes
-    invact.patch(model, mode="precision_bit", gated=False)
+    invact.patch(model, mode="precision_bit", gated=False, norms=False)
     row["invact_precision_bit"] = saved_tensors(_Call(model, inputs)).saved_bytes
-    invact.patch(model)  # the default: bits mode, and the gated products recomputed
+    invact.patch(model, norms=False)  # bits mode, and the gated products recomputed
     row["invact_gated"] = saved_tensors(_Call(model, inputs)).saved_bytes
     row["ideal_gated_saving"] = row["ideal_saving"] + _gated_products(model, inputs)
+    row["norms_replaced"] = len(invact.patch(model)) - row["replaced"]  # the default: norms inverted too
+    row["invact_patch"] = saved_tensors(_Call(model, inputs)).saved_bytes
+    if compile_columns:
+        row["compile_patch"] = _compiled_bytes(model, inputs)
     row["paper_percent"] = PAPER.get(case.name)
     del model
     gc.collect()
@@ -286,18 +335,22 @@ def _pct(new: int, old: int) -> str:
 
 
 def markdown(rows: list[dict], budget: float) -> str:
-    head = ["model", "input", "torch eager", "InvAct bits", "InvAct precision-bit", "InvAct gated"]
+    head = ["model", "input", "torch eager", "InvAct bits", "InvAct precision-bit", "InvAct gated", "patch()",
+            "norms held", "Liger RMSNorm (computed)"]  # fmt: skip
     has_compile = "compile_default" in rows[0]
     if has_compile:
-        head += ["torch.compile", f"torch.compile, budget {budget}"]
+        head += ["torch.compile", f"torch.compile, budget {budget}", "torch.compile + patch()"]
     head += ["ideal", "achieved / ideal", "gated ideal", "gated achieved / ideal", "paper"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         base = r["torch_eager"]
         cells = [r["model"], r["setup"], f"{base / 2**20:.0f} MiB", _pct(r["invact_bits"], base),
-                 _pct(r["invact_precision_bit"], base), _pct(r["invact_gated"], base)]  # fmt: skip
+                 _pct(r["invact_precision_bit"], base), _pct(r["invact_gated"], base),
+                 _pct(r["invact_patch"], base), f"{100 * r['norms_held'] / base:.1f}%",
+                 _pct(r["liger_rmsnorm"], base)]  # fmt: skip
         if has_compile:
-            cells += [_pct(r["compile_default"], base), _pct(r["compile_budget"], base)]
+            cells += [_pct(r["compile_default"], base), _pct(r["compile_budget"], base),
+                      _pct(r["compile_patch"], base)]  # fmt: skip
         achieved = (base - r["invact_bits"]) / r["ideal_saving"] if r["ideal_saving"] else float("nan")
         paper = f"{r['paper_percent']:+.1f}%" if r["paper_percent"] is not None else ""
         gated_ideal = _pct(base - r["ideal_gated_saving"], base)
@@ -315,7 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     parser.add_argument("--budget", type=float, default=0.5, help="activation_memory_budget (default 0.5)")
     parser.add_argument("--only", nargs="*", help="run only models whose name contains one of these words")
-    parser.add_argument("--out", type=Path, help="output stem (default benchmarks/results/memory_cpu)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the models' dtype (default float32)")  # fmt: skip
+    parser.add_argument("--out", type=Path,
+                        help="output stem (default benchmarks/results/memory_cpu[_bfloat16])")  # fmt: skip
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:
         parser.error("--budget must be in (0, 1]")
@@ -325,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in cases:
         t0 = time.perf_counter()
-        rows.append(measure(case, args.small, not args.no_compile, args.budget))
+        rows.append(measure(case, args.small, not args.no_compile, args.budget, getattr(torch, args.dtype)))
         print(f"measured {case.name} in {time.perf_counter() - t0:.0f} s", flush=True)
     table = markdown(rows, args.budget)
     print("\n" + table)
@@ -338,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "small": args.small,
             "budget": args.budget,
-            "dtype": "float32",
+            "dtype": args.dtype,
             "batch": 1,
             "attention": "sdpa",
             "dropout": 0.0,
@@ -346,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "rows": rows,
     }
-    stem = args.out or RESULTS / "memory_cpu"
+    stem = args.out or RESULTS / ("memory_cpu" if args.dtype == "float32" else f"memory_cpu_{args.dtype}")
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(table + "\n")

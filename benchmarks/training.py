@@ -6,11 +6,13 @@ Models (transformers configs, random init, nothing downloaded), on data every ma
 - `llama`: a Llama-style byte-level LM (SwiGLU) on the same text;
 - `vit`: a ViT-style classifier (GELU) on scikit-learn's bundled 8x8 digits.
 Variants, with the same initial weights and the same batches for a given seed: `torch`; `bits`
-(invact.patch, the default family); `paper` (InvAct with the paper's formulas, benchmarks/family.py);
-`precision_bit`; `fewbit1` and `fewbit4` (benchmarks/fewbit.py, a baseline); and `perturbed`, a
-control: torch with a relative noise of one rounding (the dtype's eps) on the activation's gradient,
-which shows how far a negligible change moves a model's curves. One model (--trainer, default gpt2)
-is also trained through transformers.Trainer, torch against invact.patch: the drop-in path.
+(invact.patch(norms=False): the activations, the default family); `norms` (invact.patch's default:
+the activations and the norms inverted, invact.norm); `paper` (InvAct with the paper's formulas,
+benchmarks/family.py); `precision_bit`; `fewbit1` and `fewbit4` (benchmarks/fewbit.py, a baseline);
+and `perturbed`, a control: torch with a relative noise of one rounding (the dtype's eps) on the
+activation's gradient, which shows how far a negligible change moves a model's curves. One model
+(--trainer, default gpt2) is also trained through transformers.Trainer, torch against invact.patch:
+the drop-in path.
 Each run logs the training loss and, every --eval-every steps, the validation loss on one fixed
 validation set (LMs: --val-batches windows of the held-out bytes; digits: all 297 held-out images).
 
@@ -67,9 +69,10 @@ def perturb(model: nn.Module) -> list[str]:
 VARIANTS: dict[str, Callable[[nn.Module], object]] = {
     "torch": lambda m: None,
     "perturbed": perturb,
-    "bits": lambda m: invact.patch(m, mode="bits"),
+    "bits": lambda m: invact.patch(m, mode="bits", norms=False),
+    "norms": lambda m: invact.patch(m),  # patch()'s default: the activations and the norms inverted
     "paper": lambda m: patch_family(m, "paper"),
-    "precision_bit": lambda m: invact.patch(m, mode="precision_bit"),
+    "precision_bit": lambda m: invact.patch(m, mode="precision_bit", norms=False),
     "fewbit1": lambda m: patch_fewbit(m, 1),
     "fewbit4": lambda m: patch_fewbit(m, 4),
 }

@@ -38,6 +38,10 @@ def test_small_run(tmp_path):
         assert gated >= 0.99 * r["ideal_gated_saving"], r["model"]
         if r["ideal_gated_saving"] == r["ideal_saving"]:
             assert r["invact_gated"] == r["invact_bits"], r["model"]
+        # patch()'s default also inverts the norms: every model here has some (tests/invact/
+        # test_norm_patch.py bounds what each frees), and they never add memory
+        assert r["norms_replaced"] > 0 and r["invact_patch"] < r["invact_gated"], r["model"]
+        assert 0 < r["norms_held"] < r["torch_eager"], r["model"]
 
 
 def test_bad_arguments(tmp_path):
