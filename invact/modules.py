@@ -75,6 +75,9 @@ class InvAct(nn.Module):
             )
         check_mode(mode)
         self.activation, self.mode = activation, mode
+        # Resolved here, not on the first call: torch.compile cannot trace the first read of a
+        # functools.cached_property (it takes a lock), which the forward under compile may make.
+        ACTIVATIONS[activation].generated  # noqa: B018
 
     @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
