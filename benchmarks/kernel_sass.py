@@ -142,7 +142,9 @@ def copy_rates(tune: dict) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--only", nargs="*", help="activations (default: all)")
+    parser.add_argument(
+        "--only", nargs="*", help="these activations only (default: all, and the norms' kernel)"
+    )
     default_tune = RESULTS / "tune_h100-80gb-hbm3.json"
     parser.add_argument("--tune", type=Path, default=default_tune, help="tune.py's JSON (default: H100's)")
     parser.add_argument("--out", type=Path, help="JSON path (default results/kernel_sass_<device>.json)")
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown activation(s) {', '.join(unknown)}; known: {', '.join(sorted(ACTIVATIONS))}")
     tune = json.loads(args.tune.read_text())
     copy_gbps = copy_rates(tune)
-    rows = measure(names, copy_gbps, args.tails) + (measure_norms(copy_gbps) if args.norms else [])
+    norms = args.norms and not args.only  # --only picks activations: the norms' kernel with none
+    rows = measure(names, copy_gbps, args.tails) + (measure_norms(copy_gbps) if norms else [])
     print(f"\nsm_90 SASS per element against {tune['device']}'s budget (copy GB/s: {args.tune.name})\n")
     print("| activation | kernel | dtype | blocks | instructions | budget | predicted GB/s | copy GB/s "
           "| share |")  # fmt: skip

@@ -109,8 +109,8 @@ def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor,
     if w_eff is None:
         w = torch.ones(d)
         scale = w
-    else:
-        w = w_eff.float().contiguous()
+    else:  # a copy: .numpy() would mark the parameter's storage non-resizable, which FSDP2 resizes
+        w = w_eff.float().contiguous().clone()
         scale = 1.0 / w
     shift = (bias.float() * scale).contiguous() if bias is not None else torch.zeros(d)
     dx = torch.empty(rows, d, dtype=dy.dtype if dy.dtype == torch.bfloat16 else torch.float32)
