@@ -231,25 +231,9 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
     cd = compute_dtype(v, kept.dtype)
     rstd_c = _rows(rstd.to(cd))
     w_eff = None if weight is None else (weight.to(cd) + v.offset if v.offset else weight.to(cd))
-    if not from_x and cd == torch.float32 and _triton_backend(kept):  # one fused pass (Triton)
-        from invact import _norm_triton
-
-        packed = residual if residual is not None and kept.dtype == torch.bfloat16 else None
-        y = _rows(kept if residual is None or packed is not None else decode_residual(kept, residual))
-        dx, dw, db = _norm_triton.backward(y, packed, _rows(dy), weight, bias, rstd_c, v.center, v.offset)
-        dx = dx.reshape(dy.shape) if needs[0] else None
-        dw = dw.to(weight.dtype) if needs[1] and weight is not None else None
-        db = db.to(bias.dtype) if needs[2] and bias is not None else None
-        return dx, dw, db
-    if not from_x and cd == torch.float32 and kept.is_cpu and _numba_available():  # one fused pass
-        from invact import _norm_cpu
-
-        y = _rows(kept if residual is None else decode_residual(kept, residual))
-        dx, dw, db = _norm_cpu.backward(y, _rows(dy), w_eff, bias, rstd_c, v.center)
-        dx = dx.reshape(dy.shape) if needs[0] else None
-        dw = dw.to(weight.dtype) if needs[1] and weight is not None else None
-        db = db.to(bias.dtype) if needs[2] and bias is not None else None
-        return dx, dw, db
+    if not from_x and cd == torch.float32 and (_triton_backend(kept) or kept.is_cpu and _numba_available()):
+        dx, dw, db = _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v)
+        return _cast_grads(dx if needs[0] else None, dw if needs[1] else None, db, dy, weight, bias, needs)
     if from_x:  # exactly eager's h
         xc = _rows(kept.to(cd))
         h = (xc - _rows(mean.to(cd))) * rstd_c if v.center else xc * rstd_c
@@ -273,6 +257,27 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
         dx = rstd_c * (g - h * (g * h).mean(-1, keepdim=True)) if needs[0] else None
         dw = (g_out * h).sum(0) if needs[1] and weight is not None else None
         db = None
+    return _cast_grads(dx, dw, db, dy, weight, bias, needs)
+
+
+def _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v: Variant):
+    """backward's one-pass kernels on y: Triton (CUDA, or INVACT_BACKEND=triton), which decodes bf16
+    residuals itself, else numba on CPU. (dx, sum of dy h, sum of dy) over rows."""
+    if _triton_backend(kept):
+        from invact import _norm_triton
+
+        packed = residual if residual is not None and kept.dtype == torch.bfloat16 else None
+        y = _rows(kept if residual is None or packed is not None else decode_residual(kept, residual))
+        return _norm_triton.backward(y, packed, _rows(dy), weight, bias, rstd_c, v.center, v.offset)
+    from invact import _norm_cpu
+
+    y = _rows(kept if residual is None else decode_residual(kept, residual))
+    return _norm_cpu.backward(y, _rows(dy), w_eff, bias, rstd_c, v.center)
+
+
+def _cast_grads(dx, dw, db, dy, weight, bias, needs):
+    """(dx in dy's shape, dweight and dbias in their parameters' dtypes), None where not needed or
+    where the module has no such parameter."""
     dx = None if dx is None else dx.reshape(dy.shape)
     dw = None if dw is None or weight is None else dw.to(weight.dtype)
     db = None if db is None or bias is None or not needs[2] else db.to(bias.dtype)
@@ -414,9 +419,13 @@ class InvNorm(nn.Module):
         self._checked: tuple | None = None  # (the parameters' versions and dtype, invertible)
 
     def __getattr__(self, name: str):
-        if name != "eps" and name == VARIANTS[self.__dict__.get("variant", "rms")].eps:
-            return self.eps
-        return super().__getattr__(name)
+        try:  # parameters first: forward reads weight and bias through here on every call
+            return super().__getattr__(name)
+        except AttributeError:
+            variant = self.__dict__.get("variant")
+            if variant is not None and name == VARIANTS[variant].eps:  # the replaced module's name
+                return self.__dict__["eps"]
+            raise
 
     def _invertible(self, dtype: torch.dtype) -> bool:
         w, b = self.weight, self.bias
