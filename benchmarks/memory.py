@@ -271,9 +271,8 @@ def _norms(model: nn.Module, inputs: dict) -> tuple[int, int]:
 
 
 def _gated_products(model: nn.Module, inputs: dict) -> int:
-    """Bytes of the gated products act(g) * u that ops of the patched model save (one training
-    forward, each storage once): what the gated path stops saving. Counted under saved-tensor hooks
-    of its own, under which the gated path stands aside."""
+    """Bytes of the gated products act(g) * u that ops of the model, patched with gated=False, save
+    (one training forward, each storage once): what the gated path stops saving."""
     from invact.gated import _product_node
 
     seen: dict[int, int] = {}
@@ -315,11 +314,11 @@ def measure(case: Case, small: bool, compile_columns: bool, budget: float, dtype
     row["liger_rmsnorm"] = row["torch_eager"] - row["norms_held"] + liger
     row["replaced"] = len(invact.patch(model, gated=False, norms=False))  # activations only
     row["invact_bits"] = saved_tensors(_Call(model, inputs)).saved_bytes
+    row["ideal_gated_saving"] = row["ideal_saving"] + _gated_products(model, inputs)
     invact.patch(model, mode="precision_bit", gated=False, norms=False)
     row["invact_precision_bit"] = saved_tensors(_Call(model, inputs)).saved_bytes
     invact.patch(model, norms=False)  # bits mode, and the gated products recomputed
     row["invact_gated"] = saved_tensors(_Call(model, inputs)).saved_bytes
-    row["ideal_gated_saving"] = row["ideal_saving"] + _gated_products(model, inputs)
     row["norms_replaced"] = len(invact.patch(model)) - row["replaced"]  # the default: norms inverted too
     row["invact_patch"] = saved_tensors(_Call(model, inputs)).saved_bytes
     if compile_columns:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from invact.memory import storage_id
+from invact.mlp import fuse
 from invact.modules import _CALLS, InvAct
 from invact.ops import _Eager, _EagerPlain
 
@@ -323,7 +324,7 @@ class _Hooks:
             useless = scope.close((*args, kwargs), output)
             # Not on an observed call (a measurement) nor one that raised (output None), nor while
             # another call of this module is in progress (recursion).
-            if useless and scope.observer is None and output is not None and not self.stack:
+            if useless and self.handles and scope.observer is None and output is not None and not self.stack:
                 for handle in self.handles:
                     handle.remove()
                 module._invact_recompute_products = "removed: no gated product"
@@ -331,15 +332,18 @@ class _Hooks:
 
 def recompute_products(module: nn.Module) -> bool:
     """Hook `module` so that nothing it runs saves a copy of a gated product act(g) * u (see the
-    module docstring; nested hooked modules stand aside for the outermost). Idempotent; returns
+    module docstring; nested hooked modules stand aside for the outermost). Where its forward is an
+    MLP invact.mlp recognises, that Function serves its calls instead, these hooks only those it does
+    not take (invact.mlp.Forward). Idempotent; returns
     False if it was hooked already (or its hooks removed themselves: see _Hooks)."""
     if getattr(module, "_invact_recompute_products", False):
         return False
     hooks = _Hooks()
-    hooks.handles = [
-        module.register_forward_pre_hook(hooks.pre, with_kwargs=True),
-        module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True),
-    ]
+    if fuse(module, hooks) is None:
+        hooks.handles = [
+            module.register_forward_pre_hook(hooks.pre, with_kwargs=True),
+            module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True),
+        ]
     module._invact_recompute_products = True
     for act in module.modules():
         if isinstance(act, InvAct):

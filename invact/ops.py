@@ -253,14 +253,18 @@ class _EagerPlain(torch.autograd.Function):
         saved = ctx.saved_tensors
         y = saved[0]
         bits = saved[1] if len(saved) == 2 else y.new_empty(0, dtype=torch.uint8)  # no bits were saved
-        if torch._C._functorch.maybe_current_level() is not None or torch.is_grad_enabled() or y.is_meta:
-            # inside a torch.func transform, under create_graph=True, or on the meta device: as _Eager
-            return _eager_backward_of(ctx.act.name, ctx.precision_bit, y, bits, dy)
-        backend = ctx.backend
-        if backend is _numba and y.is_contiguous() and dy.is_contiguous():  # both flat by storage order
-            return _numba.backward(ctx.act, y, bits, dy, ctx.precision_bit), None, None
-        dx = backend.backward(ctx.act, flat(y), bits, flat(like(dy, y)), ctx.precision_bit)
-        return shaped_like(dx, y), None, None
+        return plain_dx(ctx.act, ctx.precision_bit, ctx.backend, y, bits, dy), None, None
+
+
+def plain_dx(act: Activation, precision_bit: bool, backend: ModuleType, y, bits, dy) -> torch.Tensor:
+    """dx from y, the bits and dy in a backward outside torch.func transforms (_EagerPlain's, and
+    invact.gated_down's), `backend` chosen in the forward (_eager_backends)."""
+    if torch._C._functorch.maybe_current_level() is not None or torch.is_grad_enabled() or y.is_meta:
+        # inside a torch.func transform, under create_graph=True, or on the meta device: as _Eager
+        return _eager_backward_of(act.name, precision_bit, y, bits, dy)[0]
+    if backend is _numba and y.is_contiguous() and dy.is_contiguous():  # both flat by storage order
+        return _numba.backward(act, y, bits, dy, precision_bit)
+    return shaped_like(backend.backward(act, flat(y), bits, flat(like(dy, y)), precision_bit), y)
 
 
 # _EagerPlain's apply without autograd.Function.apply's Python layer (which, for a Function without

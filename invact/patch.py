@@ -24,6 +24,7 @@ from invact._generated import modules as _classes
 from invact.activations import ACTIVATIONS
 from invact.gated import multiply, recompute_products
 from invact.memory import parameter_storages
+from invact.mlp import fuse
 from invact.modules import InvAct
 from invact.norm import is_candidate, keeps_residual, match, replacement
 
@@ -485,12 +486,17 @@ def patch(
                 new.train(old.training if isinstance(old, nn.Module) else parent.training)
             setattr(parent, attr, new)
         replaced.append(d.name)
+    decided = {d.name for d in decisions}
+    earlier = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, InvAct)]
+    earlier = {_parent_name(n) for n in earlier if n not in decided and _selected(n, include, exclude)}
     if gated:  # the plan's modules, and those beside InvAct modules an earlier patch(gated=False) made
-        decided = {d.name for d in decisions}
         parents = {d.gated for d in decisions if d.replace and d.gated is not None}
-        earlier = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, InvAct)]
-        parents |= {_parent_name(n) for n in earlier if n not in decided and _selected(n, include, exclude)}
-        _hook_gated_products(model, sorted(parents))
+        _hook_gated_products(model, sorted(parents | earlier))
+    # Every plain MLP runs as one Function (invact.mlp: the same saved tensors, less host time), also
+    # where no gated product was measured or gated=False.
+    parents = {_parent_name(d.name) for d in decisions if d.replace and d.kind == "activation"}
+    for name in sorted(parents | earlier):
+        fuse(model.get_submodule(name), gated=False)
     return replaced
 
 

@@ -1,5 +1,5 @@
 """benchmarks/host_time.py --device cpu --small runs and writes its JSON (so the script never rots): the
-three setups InvAct against torch, interleaved, and the layer-by-layer rows. Timings are not checked
+four setups InvAct against torch, interleaved, and the layer-by-layer rows. Timings are not checked
 here (the script's results are the evidence), only that each was taken and reported."""
 
 import json
@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "benchmarks" / "host_time.py")
 SMALL_ROUNDS = 3  # what --small sets (benchmarks/host_time.py)
-SETUPS = ("GELU (4, 16)", "GELU MLP 16-64-16, batch 4", "GELU MLP 16-64-16, batch 4, patch(gated=False)",
-          "SwiGLU MLP 16-32-16, batch 4, gated path")  # fmt: skip
+SETUPS = ("GELU (4, 16)", "GELU MLP 16-64-16, batch 4", "SwiGLU MLP 16-32-16, batch 4, gated path",
+          "SwiGLU MLP 16-32-16, batch 4, gated path by hooks")  # fmt: skip
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -11,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import invact
 from invact.gated import _product_node, recompute_products
+from invact.mlp import Forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -192,7 +193,10 @@ def test_gradients_against_torchs_within_the_familys_bound(label, dtype):
         assert (got - want).norm() <= BF16_DISTANCE_RATIO * (torch_bf16 - want).norm()
 
 
-def _mlp():
+def _mlp(hooked: bool = False):
+    """A gated MLP. patch() runs it as invact.mlp's Function; `hooked`: its forward takes a second
+    (unused) argument, which invact.mlp does not recognise, so that invact.gated's hooks serve it."""
+
     class MLP(nn.Module):
         def __init__(self):
             super().__init__()
@@ -202,16 +206,25 @@ def _mlp():
         def forward(self, x):
             return self.down(self.act(self.gate(x)) * self.up(x))
 
+    class HookedMLP(MLP):
+        def forward(self, x, scale=None):
+            return self.down(self.act(self.gate(x)) * self.up(x))
+
     torch.manual_seed(0)
-    return MLP()
+    return HookedMLP() if hooked else MLP()
 
 
-def test_under_checkpointing_and_compile_nothing_changes_but_the_memory():
+def _fused(m: nn.Module) -> bool:
+    return isinstance(m.__dict__.get("forward"), Forward)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["fused", "hooked"])
+def test_under_checkpointing_and_compile_nothing_changes_but_the_memory(hooked):
     torch.manual_seed(1)
     x = torch.randn(BATCH, SEQ, HIDDEN)
     grads = []
     for variant in ("plain", "checkpointed", "compiled"):
-        m = _mlp()
+        m = _mlp(hooked)
         invact.patch(m)
         xi = x.clone().requires_grad_()
         if variant == "checkpointed":  # outer saved-tensor hooks: the gated path stands aside
@@ -237,16 +250,22 @@ def test_dropout_between_product_and_down_projection_is_left_alone():
     assert _product_node(m.gate(x) * m.up(x)) is None  # no InvAct operand: nothing to recompute from
 
 
-def test_hooking_is_idempotent():
-    m = _mlp()
+@pytest.mark.parametrize("hooked", [False, True], ids=["fused", "hooked"])
+def test_hooking_is_idempotent(hooked):
+    m = _mlp(hooked)
     invact.patch(m)
+    forward = m.__dict__.get("forward")
+    assert _fused(m) != hooked
     assert not recompute_products(m)  # patch() hooked the module holding the activation already
     invact.patch(m)
-    assert len(m._forward_pre_hooks) == 1
+    assert len(m._forward_pre_hooks) == int(hooked)
+    assert m.__dict__.get("forward") is forward  # not fused twice
 
 
-def _plain_mlp():
-    class PlainMLP(nn.Module):  # act's output goes to a Linear: no product to recompute
+def _plain_mlp(hooked: bool = False):
+    """A plain MLP (act's output goes to a Linear: no product to recompute); `hooked` as for _mlp."""
+
+    class PlainMLP(nn.Module):
         def __init__(self):
             super().__init__()
             self.up, self.down, self.act = (
@@ -258,8 +277,12 @@ def _plain_mlp():
         def forward(self, x):
             return self.down(self.act(self.up(x)))
 
+    class HookedPlainMLP(PlainMLP):
+        def forward(self, x, scale=None):
+            return self.down(self.act(self.up(x)))
+
     torch.manual_seed(0)
-    return PlainMLP()
+    return HookedPlainMLP() if hooked else PlainMLP()
 
 
 def _step(m, x):
@@ -276,10 +299,10 @@ def test_hooks_remove_themselves_after_a_call_with_no_product():
     Python hook. Calls without grad or without an InvAct inside prove nothing and leave them."""
     torch.manual_seed(2)
     x = torch.randn(BATCH, SEQ, HIDDEN)
-    eager = _plain_mlp()
+    eager = _plain_mlp(hooked=True)
     invact.patch(eager, gated=False)
     want = _step(eager, x)
-    m = _plain_mlp()
+    m = _plain_mlp(hooked=True)
     invact.patch(m)
     assert len(m._forward_pre_hooks) == len(m._forward_hooks) == 1
     with torch.no_grad():
@@ -295,7 +318,7 @@ def test_hooks_remove_themselves_after_a_call_with_no_product():
 
 
 def test_hooks_stay_where_a_product_was_recomputed():
-    m = _mlp()
+    m = _mlp(hooked=True)
     invact.patch(m)
     x = torch.randn(BATCH, SEQ, HIDDEN)
     for _ in range(2):

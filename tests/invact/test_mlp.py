@@ -1,0 +1,253 @@
+"""invact.mlp: a recognised MLP runs as one Function with the unfused patched module's output and
+gradients, bitwise, saves no gated product, and hands every call it does not take to the module's
+own forward."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import invact
+from invact.activations import ACTIVATIONS
+from invact.mlp import _MLP, Forward, Pattern, match
+from invact.modules import InvAct
+
+HIDDEN, INTERMEDIATE = 12, 24
+SHAPES = {"rows": (5, HIDDEN), "batch x seq": (2, 3, HIDDEN)}
+
+
+class Gated(nn.Module):
+    """Llama's MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, activation: str, bias: bool, up_first: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=bias)
+        self.up_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=bias)
+        self.down_proj = nn.Linear(INTERMEDIATE, HIDDEN, bias=bias)
+        self.act_fn = InvAct(activation)
+        self.up_first = up_first
+
+    def forward(self, x):
+        if self.up_first:
+            return self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _plain(activation: str, bias: bool) -> nn.Module:
+    return nn.Sequential(nn.Linear(HIDDEN, INTERMEDIATE, bias=bias), InvAct(activation),
+                         nn.Linear(INTERMEDIATE, HIDDEN, bias=bias))  # fmt: skip
+
+
+def _pair(form: str, activation: str, dtype: torch.dtype, bias: bool = True):
+    """(unfused, fused): the same weights; the unfused one runs its class's forward, with InvAct and,
+    for the gated form, the product saved (patch(gated=False)'s behaviour)."""
+    torch.manual_seed(0)
+    if form == "plain":
+        model = _plain(activation, bias)
+    else:
+        model = Gated(activation, bias, up_first=form == "gated, up first")
+    model = model.to(dtype)
+    unfused, fused = copy.deepcopy(model), model
+    invact.patch(fused)
+    assert isinstance(fused.__dict__.get("forward"), Forward)
+    return unfused, fused
+
+
+def _grads(model: nn.Module, x: torch.Tensor, x_grad: bool = True):
+    torch.manual_seed(1)
+    x = x.clone().requires_grad_(x_grad)
+    out = model(x)
+    out.backward(torch.randn_like(out))
+    return out, [x.grad, *(p.grad for p in model.parameters())]
+
+
+FORMS = ["plain", "gated", "gated, up first"]
+
+
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x needs grad", "weights alone"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", FORMS)
+def test_output_and_gradients_are_the_unfused_modules_bitwise(form, dtype, shape, bias, x_grad):
+    unfused, fused = _pair(form, "silu" if form != "plain" else "gelu", dtype, bias)
+    x = torch.randn(SHAPES[shape], dtype=dtype)
+    want_out, want = _grads(unfused, x, x_grad)
+    got_out, got = _grads(fused, x, x_grad)
+    assert type(got_out.grad_fn) is _MLP._backward_cls  # the Function ran
+    assert torch.equal(got_out, want_out)
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("form", ["plain", "gated"])
+def test_every_activation_fuses_bitwise(form, activation):
+    unfused, fused = _pair(form, activation, torch.float32)
+    x = torch.randn(SHAPES["batch x seq"])
+    (want_out, want), (got_out, got) = _grads(unfused, x), _grads(fused, x)
+    assert type(got_out.grad_fn) is _MLP._backward_cls
+    assert torch.equal(got_out, want_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in one forward (parameters left out)."""
+    storages = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("form", ["plain", "gated"])
+def test_it_saves_the_unfused_modules_tensors_less_the_product(form):
+    unfused, fused = _pair(form, "silu", torch.float32, bias=False)
+    x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
+    product = x.numel() // HIDDEN * INTERMEDIATE * 4 if form == "gated" else 0  # h = y * u, fp32
+    assert _saved_bytes(fused, x) == _saved_bytes(unfused, x) - product
+
+
+def _hook_down(m):
+    m.down_proj.register_forward_hook(lambda *args: None)
+
+
+def _wrap_down(m):
+    class Wrapped(nn.Linear):  # a subclass (as PEFT's and quantized layers are): not fused
+        pass
+
+    wrapped = Wrapped(INTERMEDIATE, HIDDEN)
+    wrapped.load_state_dict(m.down_proj.state_dict())
+    m.down_proj = wrapped
+
+
+# Calls the Function does not take: (how the model is changed after patch(), how it is called)
+FALLBACKS = {
+    "autocast": (None, lambda m, x: _autocast(m, x)),
+    "keyword argument": (None, lambda m, x: m(x=x)),
+    "hook on down": (_hook_down, lambda m, x: m(x)),
+    "down wrapped": (_wrap_down, lambda m, x: m(x)),
+    "4-D input": (None, lambda m, x: m(x.unsqueeze(0))),
+    "strided input": (None, lambda m, x: m(x.transpose(0, 1).contiguous().transpose(0, 1))),
+    "no grad": (None, lambda m, x: _no_grad(m, x)),
+}
+
+
+def _autocast(m, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return m(x).float()
+
+
+def _no_grad(m, x):
+    with torch.no_grad():
+        return m(x)
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_calls_it_does_not_take_run_the_modules_forward(case):
+    change, call = FALLBACKS[case]
+    unfused, fused = _pair("gated", "silu", torch.float32)
+    if change is not None:
+        change(unfused)
+        change(fused)
+    torch.manual_seed(2)
+    x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
+    want, got = call(unfused, x), call(fused, x)
+    assert type(got.grad_fn) is not _MLP._backward_cls
+    assert torch.equal(got, want)
+
+
+def test_global_module_hooks_are_run():
+    _, fused = _pair("gated", "silu", torch.float32)
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m)))
+    try:
+        out = fused(torch.randn(SHAPES["rows"], requires_grad=True))
+    finally:
+        handle.remove()
+    assert type(out.grad_fn) is not _MLP._backward_cls
+    assert nn.Linear in seen and Gated in seen
+
+
+def test_functional_call_differentiates_the_given_parameters():
+    unfused, fused = _pair("gated", "silu", torch.float32)
+    params = {k: v.detach().clone().requires_grad_() for k, v in fused.named_parameters()}
+    x = torch.randn(SHAPES["batch x seq"])
+    grads = []
+    for m in (unfused, fused):
+        out = torch.func.functional_call(m, params, (x,))
+        grads.append(torch.autograd.grad(out.square().sum(), list(params.values())))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_a_copy_runs_its_own_weights():
+    _, fused = _pair("gated", "silu", torch.float32)
+    x = torch.randn(SHAPES["rows"])
+    for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        assert copied.forward.module is copied
+        with torch.no_grad():
+            copied.down_proj.weight.zero_()
+            copied.down_proj.bias.zero_()
+        assert not copied(x.requires_grad_()).any() and fused(x).any()
+
+
+class _Dropout(Gated):
+    def __init__(self):
+        super().__init__("silu", True)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class _Scaled(Gated):
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 2)
+
+
+class _Caching(Gated):
+    def forward(self, x):
+        self.last = x  # a forward that stores an attribute is not traced
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Torchs(Gated):  # act is torch's: nothing of InvAct's to fuse
+    def __init__(self):
+        super().__init__("silu", True)
+        self.act_fn = nn.SiLU()
+
+
+@pytest.mark.parametrize("cls", [_Dropout, _Scaled, _Caching, _Torchs])
+def test_other_forwards_are_not_recognised(cls):
+    m = cls() if cls in (_Dropout, _Torchs) else cls("silu", True)
+    assert match(m) is None
+    assert "last" not in m.__dict__
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_recognised_children(form):
+    up_first = form == "gated, up first"
+    model = _plain("gelu", True) if form == "plain" else Gated("gelu", True, up_first=up_first)
+    want = {
+        "plain": Pattern("0", None, "1", "2"),
+        "gated": Pattern("up_proj", "gate_proj", "act_fn", "down_proj", False),
+        "gated, up first": Pattern("up_proj", "gate_proj", "act_fn", "down_proj", True),
+    }[form]
+    assert match(model) == want
+
+
+def test_patch_without_the_gated_path_fuses_the_plain_form_only():
+    plain, gated = _plain("gelu", True), Gated("silu", True)
+    invact.patch(plain, gated=False)
+    invact.patch(gated, gated=False)
+    assert isinstance(plain.__dict__.get("forward"), Forward)
+    assert "forward" not in gated.__dict__  # the product stays saved, as gated=False asks
