@@ -23,9 +23,10 @@ adds them), so gradients are bitwise the unfused patched module's (tested in fp3
 
 A call the Function does not take runs the module's own forward (under invact.gated's recompute
 hooks for the gated form): under torch.compile (whose partitioner decides what to save), inside
-torch.func transforms, under autocast, with keyword arguments, with hooks on a child or global
-module hooks, a child that is no longer a plain nn.Linear (PEFT's LoRA wraps it after patch()), or
-dtypes that differ.
+torch.func transforms, under autocast to a dtype other than x's (under autocast to x's own dtype, a
+bf16 model in bf16 autocast, every cast is a no-op and the Function runs), with keyword arguments,
+with hooks on a child or global module hooks, a child that is no longer a plain nn.Linear (PEFT's
+LoRA wraps it after patch()), a 4-D or strided input, or dtypes that differ.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class Forward:
             len(args) == 1
             and not kwargs
             and torch.is_grad_enabled()
-            and not (_transforms_active() or _any_autocast() or any(_GLOBAL_HOOKS))
+            and not (_transforms_active() or any(_GLOBAL_HOOKS))
         ):
             out = self._fused(args[0])
             if out is not None:
@@ -257,6 +258,10 @@ class Forward:
             or not x.is_contiguous()  # a strided 3-D input by matmul and add, not on its rows
         ):
             return None
+        if _any_autocast():
+            device = x.device.type
+            if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) is not x.dtype:
+                return None  # autocast casts x and the weights: their cast copies are what backward needs
         children, (up, gate, act, down, _) = self.module._modules, self.pattern
         act, dtype = children[act], x.dtype
         if not isinstance(act, InvAct) or type(act).forward is not InvAct.forward or not _bare(act):

@@ -166,6 +166,18 @@ def test_calls_it_does_not_take_run_the_modules_forward(case):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_to_the_models_own_dtype_it_runs(dtype):
+    # every cast autocast would make is a no-op: the Function serves, bitwise the modules' result
+    unfused, fused = _pair("gated", "silu", dtype)
+    x = torch.randn(SHAPES["batch x seq"], dtype=dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        (want_out, want), (got_out, got) = _grads(unfused, x), _grads(fused, x)
+    assert type(got_out.grad_fn) is _MLP._backward_cls
+    assert torch.equal(got_out, want_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_global_module_hooks_are_run():
     _, fused = _pair("gated", "silu", torch.float32)
     seen = []
