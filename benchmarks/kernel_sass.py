@@ -11,12 +11,14 @@ budget is memory-bound; one over it is compute-bound, and its predicted GB/s is 
 budget / instructions.
 
 Also the inverted norms' backward kernel (invact/_norm_triton.py) at width 4096, its static count
-per row bounding the instructions per element from above (measure_norms). Rows are the full-block
-kernels, which run whenever n is a multiple of the block (1024: every transformer shape here);
---tails adds the masked kernels that run otherwise, whose loads may not be vectorized (one element
-at a time in 16-bit). Calibration: on the H100, gelu's bf16 backward (as it was then: 111
-instructions per element counted for unaligned pointers, a specialization that never ran) measured
-1852 GB/s against a copy of 2748; re-measure with tune.py when a GPU is lent. Writes
+per row bounding the instructions per element from above (measure_norms). Each activation kernel
+comes in the specializations a launch picks by n: no masks where n is a multiple of the block (1024:
+every transformer shape here), masks per row of 8 elements where n is a multiple of 8 (a masked row
+is masked whole, so each thread still loads its 8 elements as one vector); --tails adds the kernels
+masked per element, for any other n, whose 16-bit loads go one element at a time. Calibration: on
+the H100, gelu's bf16 backward (as it was then: 111 instructions per element counted for unaligned
+pointers, a specialization that never ran) measured 1852 GB/s against a copy of 2748; re-measure
+with tune.py when a GPU is lent. Writes
 results/kernel_sass_<tune device>.json and prints a markdown table.
 """
 
@@ -45,7 +47,8 @@ _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z
 
 
 def sass_counts(cubin: bytes) -> collections.Counter:
-    """Opcode -> count over a cubin's SASS (nvdisasm from Triton's NVIDIA backend)."""
+    """Opcode -> count over a cubin's SASS (nvdisasm from Triton's NVIDIA backend), without the padding
+    after the last EXIT (a branch to itself, then NOPs up to the next 128-byte boundary: never issued)."""
     import triton
 
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
@@ -54,7 +57,11 @@ def sass_counts(cubin: bytes) -> collections.Counter:
         f.flush()
         command = [str(nvdisasm), "-c", f.name]
         listing = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    return collections.Counter(m.group(1) for line in listing.splitlines() if (m := _INSTRUCTION.match(line)))
+    opcodes = [m.group(1) for line in listing.splitlines() if (m := _INSTRUCTION.match(line))]
+    last_exit = max((i for i, op in enumerate(opcodes) if op == "EXIT"), default=len(opcodes) - 1)
+    if all(op in ("BRA", "NOP") for op in opcodes[last_exit + 1 :]):
+        opcodes = opcodes[: last_exit + 1]
+    return collections.Counter(opcodes)
 
 
 def bytes_per_element(kernel: str, element_size: int, saves_bits: bool) -> float:
@@ -74,23 +81,28 @@ def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) 
         for kernel in ("forward", "backward"):
             config = _triton.CONFIGS[kernel]
             per_thread = config.block // (32 * config.num_warps)
-            variants = itertools.product(DTYPES.items(), (True, False) if tails else (True,))
-            for (dtype_name, dtype), even in variants:
-                compiled = _triton.compile_for(kernel, act, dtype, False, even=even)
+            variants = itertools.product(DTYPES.items(), MASKS if tails else MASKS[:2])
+            for (dtype_name, dtype), masks in variants:
+                even, by_rows = masks == "none", masks != "elements"
+                compiled = _triton.compile_for(kernel, act, dtype, False, even=even, rows=by_rows)
                 moved = bytes_per_element(kernel, dtype.itemsize, not act.monotone)
                 counts = sass_counts(compiled.asm["cubin"])
-                rows.append(_row(name, kernel, dtype_name, even, counts, per_thread, moved, copy_gbps))
+                rows.append(_row(name, kernel, dtype_name, masks, counts, per_thread, moved, copy_gbps))
     return rows
 
 
-def _row(label: str, kernel: str, dtype_name: str, even: bool, counts: collections.Counter, per_thread: int,
+# The kernels' mask specializations (invact._triton._launch): n a multiple of the block, of 8, neither.
+MASKS = ("none", "rows", "elements")
+
+
+def _row(label: str, kernel: str, dtype_name: str, masks: str, counts: collections.Counter, per_thread: int,
          moved: float, copy_gbps: dict[str, float]) -> dict:  # fmt: skip
     """One kernel's row: its instructions per element (the count over `per_thread` elements) against
     the budget of `moved` bytes per element at the copy's GB/s, and the GB/s that predicts."""
     per_element = sum(counts.values()) / per_thread
     budget = SMS * LANES_PER_CLOCK * CLOCK_HZ * moved / (copy_gbps[dtype_name] * 1e9)
     return {
-        "activation": label, "kernel": kernel, "dtype": dtype_name, "full_blocks": even,
+        "activation": label, "kernel": kernel, "dtype": dtype_name, "masks": masks,
         "instructions_per_element": per_element, "budget_per_element": budget,
         "bytes_per_element": moved, "copy_gbps": copy_gbps[dtype_name],
         "predicted_gbps": copy_gbps[dtype_name] * min(1.0, budget / per_element),
@@ -121,7 +133,7 @@ def measure_norms(copy_gbps: dict[str, float]) -> list[dict]:
         dtype = DTYPES[dtype_name]
         counts = sass_counts(_norm_triton.compile_for(dtype, residual, center).asm["cubin"])
         moved = bytes_per_element("backward", dtype.itemsize, False) + (0.5 if residual else 0.0)
-        rows.append(_row(label, "backward", dtype_name, True, counts, per_thread, moved, copy_gbps))
+        rows.append(_row(label, "backward", dtype_name, "none", counts, per_thread, moved, copy_gbps))
     return rows
 
 
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     default_tune = RESULTS / "tune_h100-80gb-hbm3.json"
     parser.add_argument("--tune", type=Path, default=default_tune, help="tune.py's JSON (default: H100's)")
     parser.add_argument("--out", type=Path, help="JSON path (default results/kernel_sass_<device>.json)")
-    tails = "also the masked kernels (n not a multiple of the block)"
+    tails = "also the kernels masked per element (n not a multiple of 8)"
     parser.add_argument("--tails", action="store_true", help=tails)
     no_norms = "leave out the inverted norms' backward kernel (invact/_norm_triton.py)"
     parser.add_argument("--no-norms", dest="norms", action="store_false", help=no_norms)
@@ -168,15 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     norms = args.norms and not args.only  # --only picks activations: the norms' kernel with none
     rows = measure(names, copy_gbps, args.tails) + (measure_norms(copy_gbps) if norms else [])
     print(f"\nsm_90 SASS per element against {tune['device']}'s budget (copy GB/s: {args.tune.name})\n")
-    print("| activation | kernel | dtype | blocks | instructions | budget | predicted GB/s | copy GB/s "
+    print("| activation | kernel | dtype | masks | instructions | budget | predicted GB/s | copy GB/s "
           "| share |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cost = f"{r['instructions_per_element']:.1f} | {r['budget_per_element']:.1f}"
         share = r["predicted_gbps"] / r["copy_gbps"]
         rates = f"{r['predicted_gbps']:.0f} | {r['copy_gbps']:.0f} | {share:.0%}"
-        blocks = "full" if r["full_blocks"] else "tail"
-        print(f"| {r['activation']} | {r['kernel']} | {r['dtype']} | {blocks} | {cost} | {rates} |")
+        print(f"| {r['activation']} | {r['kernel']} | {r['dtype']} | {r['masks']} | {cost} | {rates} |")
     result = {"device": tune["device"], "target": "sm_90", "triton": version("triton"), "rows": rows}
     out = args.out or RESULTS / f"kernel_sass_{gpu_slug(tune['device'])}.json"
     write_result(result, "kernel_sass", "cuda", out=out)

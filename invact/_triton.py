@@ -38,13 +38,31 @@ def _offsets(BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _load(pointers, mask, EVEN: tl.constexpr):
-    """The values at `pointers`, 0 where `mask` is false. EVEN (n a multiple of BLOCK: every program's
-    block full) loads with no mask: a mask that may differ between neighbours keeps the compiler from
-    vectorizing (one 2-byte load per element in bf16, bits packed across threads by shuffles), and
-    without one each thread loads its 8 contiguous elements at once and packs their byte alone."""
+def _mask(offs, rest, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Which of the block's (BLOCK // 8, 8) elements lie before `rest`. ROWS (n, so rest, a multiple
+    of 8: every byte of bits whole) decides per row of 8: one predicate over a thread's 8 contiguous
+    elements, which still loads them as one vector (an element-wise mask loads them one at a time,
+    in 16-bit one 2-byte load each: 87-94% of the copy's GB/s predicted for the fitted 16-bit
+    backwards, against 100% whole; benchmarks/kernel_sass.py --tails)."""
+    if ROWS:
+        out = tl.broadcast_to((tl.arange(0, BLOCK // 8) * 8 < rest)[:, None], (BLOCK // 8, 8))
+    else:
+        out = offs < rest
+    return out
+
+
+@triton.jit
+def _load(pointers, mask, EVEN: tl.constexpr, ROWS: tl.constexpr):
+    """The values at `pointers` where `mask`. EVEN (n a multiple of BLOCK: every program's block full)
+    loads with no mask: a mask that may differ between neighbours keeps the compiler from vectorizing
+    (one 2-byte load per element in bf16, bits packed across threads by shuffles), and without one
+    each thread loads its 8 contiguous elements at once and packs their byte alone. Under ROWS a
+    masked row is masked whole, so nothing computed from it is stored: its lanes are left unset (no
+    zeroing of registers); per element they are 0 (0 > T: an element past n sets no bit of its byte)."""
     if EVEN:
         out = tl.load(pointers)
+    elif ROWS:
+        out = tl.load(pointers, mask=mask)
     else:
         out = tl.load(pointers, mask=mask, other=0)
     return out
@@ -61,12 +79,13 @@ def _store(pointers, values, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr, PRECISION_BIT: tl.constexpr,
-                    MONOTONE: tl.constexpr, EVEN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                    MONOTONE: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rest = tl.minimum(n - start, BLOCK).to(tl.int32)
     offs, x_ptr, y_ptr = _offsets(BLOCK), x_ptr + start, y_ptr + start
-    mask = offs < rest
-    x = _load(x_ptr + offs, mask, EVEN).to(tl.float32)
+    mask = _mask(offs, rest, ROWS, BLOCK)
+    x = _load(x_ptr + offs, mask, EVEN, ROWS).to(tl.float32)
     left = x < T  # masked lanes hold 0 > T: never set a bit
     y = FN(x).to(y_ptr.dtype.element_ty)
     if MONOTONE:  # no bit at all
@@ -84,12 +103,12 @@ def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr
 @triton.jit
 def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: tl.constexpr,
                      PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, EVEN: tl.constexpr,
-                     BLOCK: tl.constexpr):  # fmt: skip
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rest = tl.minimum(n - start, BLOCK).to(tl.int32)
     offs, y_ptr, dy_ptr, dx_ptr = _offsets(BLOCK), y_ptr + start, dy_ptr + start, dx_ptr + start
-    mask = offs < rest
-    y_raw = _load(y_ptr + offs, mask, EVEN)
+    mask = _mask(offs, rest, ROWS, BLOCK)
+    y_raw = _load(y_ptr + offs, mask, EVEN, ROWS)
     y = y_raw.to(tl.float32)
     if MONOTONE:  # one branch, no bit; q itself at y = +-inf (x = +-inf), NaN stays NaN
         q = tl.where(y == y, QR(y), float("nan"))
@@ -98,11 +117,11 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
             left = (_int_view(y_raw) & 1) != 0
         else:  # one byte load per row of 8, shifted across the row
             boffs = tl.arange(0, BLOCK // 8)
-            byte = _load(bits_ptr + start // 8 + boffs, boffs < (rest + 7) // 8, EVEN).to(tl.int32)
+            byte = _load(bits_ptr + start // 8 + boffs, boffs < (rest + 7) // 8, EVEN, ROWS).to(tl.int32)
             left = ((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1) != 0
         q = tl.where(left, QL(y), QR(y))
         q = tl.where(tl.abs(y) < float("inf"), q, float("nan"))  # y = +-inf or NaN: NaN, as torch
-    dy = _load(dy_ptr + offs, mask, EVEN).to(tl.float32)
+    dy = _load(dy_ptr + offs, mask, EVEN, ROWS).to(tl.float32)
     _store(dx_ptr + offs, (dy * q).to(dx_ptr.dtype.element_ty), mask, EVEN)
 
 
@@ -156,7 +175,7 @@ def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
         with torch.cuda.device(device):
             return _launch(kernel, config, n, *tensors, **constexprs)
     grid = (triton.cdiv(max(n, 1), config.block), 1, 1)
-    constexprs["EVEN"] = n % config.block == 0
+    constexprs["EVEN"], constexprs["ROWS"] = n % config.block == 0, n % 8 == 0
     key = _specialization(kernel, config, n, tensors, constexprs)
     hit = _COMPILED.get(key)
     if hit is not None:
@@ -191,10 +210,11 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16
 
 
 def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit: bool, arch: int = 90,
-                index: str = "i32", even: bool = True):  # fmt: skip
+                index: str = "i32", even: bool = True, rows: bool = True):  # fmt: skip
     """Triton's compiled kernel ("forward" or "backward") for `act` on tensors of `dtype`, built for
     NVIDIA compute capability `arch` (90: H100/H200, 80: A100) as the launches specialize it, with n
-    of type `index` ("i64" past 2^31 elements), a multiple of the block (`even`, no masks) or not.
+    of type `index` ("i64" past 2^31 elements), a multiple of the block (`even`, no masks) or not, and
+    then a multiple of 8 (`rows`: masks per row of 8) or not (masks per element).
     Needs no GPU (Triton's compiler and the ptxas it ships
     run on the CPU), but the real compiler: not under TRITON_INTERPRET=1. Its .asm holds the PTX and
     the cubin."""
@@ -206,7 +226,7 @@ def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit:
         constexprs = forward_constexprs(act, precision_bit)
     else:
         constexprs = backward_constexprs(act, precision_bit, dtype)
-    constexprs["EVEN"], constexprs["BLOCK"] = even, CONFIGS[kernel].block
+    constexprs["EVEN"], constexprs["ROWS"], constexprs["BLOCK"] = even, even or rows, CONFIGS[kernel].block
     signature = {}
     for arg in function.arg_names:
         if arg in constexprs:

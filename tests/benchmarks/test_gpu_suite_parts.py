@@ -102,15 +102,16 @@ def test_kernel_sass_counts_instructions_against_the_budget(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     dtypes = ("float32", "bfloat16", "float16")
-    want = [(k, d, full) for k in ("forward", "backward") for d in dtypes for full in (True, False)]
-    assert [(r["kernel"], r["dtype"], r["full_blocks"]) for r in rows] == want
+    masks = ("none", "rows", "elements")
+    want = [(k, d, m) for k in ("forward", "backward") for d in dtypes for m in masks]
+    assert [(r["kernel"], r["dtype"], r["masks"]) for r in rows] == want
     copy = {r["dtype"]: r["copy_gbps"] for r in rows}
     assert copy["float16"] == copy["bfloat16"] != copy["float32"]
     for r in rows:
         assert r["instructions_per_element"] > 0 and sum(r["top_opcodes"].values()) > 0
         share = min(1, r["budget_per_element"] / r["instructions_per_element"])
         assert r["predicted_gbps"] == r["copy_gbps"] * share
-    assert "| relu2 | backward | bfloat16 | full |" in proc.stdout and "| tail |" in proc.stdout
+    assert all(f"| relu2 | backward | bfloat16 | {m} |" in proc.stdout for m in masks)
 
 
 @pytest.mark.parametrize(

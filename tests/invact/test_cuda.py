@@ -115,7 +115,8 @@ def test_direct_launch_runs_the_kernel_tritons_launcher_picks(dtype, n, offset, 
         assert torch.equal(y2, y) and torch.equal(bits2, bits)
         assert torch.equal(_triton.backward(act, y_view, bits, dy, precision_bit), dx)
     config = _triton.CONFIGS["forward"]
-    constexprs = _triton.forward_constexprs(act, precision_bit) | {"EVEN": n % config.block == 0}
+    masks = {"EVEN": n % config.block == 0, "ROWS": n % 8 == 0}
+    constexprs = _triton.forward_constexprs(act, precision_bit) | masks
     tensors = (x, torch.empty_like(x), torch.empty_like(bits))
     key = _triton._specialization(_triton._forward_kernel, config, n, tensors, constexprs)
     grid = (triton.cdiv(n, config.block), 1, 1)

@@ -13,8 +13,9 @@ from tests.invact.test_functional import FP32_Q_ROUNDING  # noqa: E402
 
 NAMES = sorted(ACTIVATIONS)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# below one byte, one byte, tails, several programs, full blocks only (the unmasked EVEN kernels)
-SIZES = (1, 7, 8, 1000, 3 * _triton.BLOCK + 5, 2 * _triton.BLOCK)
+# below one byte, one byte, a tail masked by rows of 8 (n % 8 == 0), several programs and a tail masked
+# by rows, several programs and one masked by element, full blocks only (the unmasked EVEN kernels)
+SIZES = (1, 7, 8, 1000, _triton.BLOCK + 8, 3 * _triton.BLOCK + 5, 2 * _triton.BLOCK)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -25,17 +25,19 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGETS = {"sm_90": 90, "sm_80": 80}  # H100/H200, A100 (the paper's GPU)
 
 
-def _case(kernel, name, dtype=torch.float32, precision_bit=False, target="sm_90", integer="i32", even=True):
+def _case(kernel, name, dtype=torch.float32, precision_bit=False, target="sm_90", integer="i32", even=True,
+          rows=True):  # fmt: skip
     mode = "precision_bit" if precision_bit else "bits"
-    blocks = "" if even else "-masked"
+    blocks = "" if even else ("-masked-rows" if rows else "-masked")
     case_id = f"{kernel}-{name}-{str(dtype).removeprefix('torch.')}-{mode}-{target}-{integer}{blocks}"
-    return case_id, (kernel, name, dtype, precision_bit, target, integer, even)
+    return case_id, (kernel, name, dtype, precision_bit, target, integer, even, rows)
 
 
 KERNELS = ("forward", "backward")
 # Every activation's device functions inside both kernels, in fp32 and bf16, both modes, on full blocks
 # (n a multiple of the block: no masks); fp16 with gelu (its integer view is bf16's), the masked
-# kernels (any other n) with gelu, int64 offsets (past 2^31 elements), and the A100's target with gelu.
+# kernels (any other n: masks per row of 8 where n is a multiple of 8, else per element) with gelu,
+# int64 offsets (past 2^31 elements), and the A100's target with gelu.
 CASES = dict(
     [
         _case(kernel, name, dtype, precision_bit)
@@ -46,21 +48,23 @@ CASES = dict(
     ]
     + [_case(kernel, "gelu", torch.float16, pb) for kernel in KERNELS for pb in (False, True)]
     + [
-        _case(kernel, "gelu", d, pb, even=False)
+        _case(kernel, "gelu", d, pb, even=False, rows=rows)
         for kernel in KERNELS
         for d in (torch.float32, torch.bfloat16)
         for pb in (False, True)
+        for rows in (True, False)
     ]  # fmt: skip
     + [_case(kernel, "gelu", integer="i64") for kernel in KERNELS]
     + [_case(kernel, "gelu", precision_bit=pb, target="sm_80") for kernel in KERNELS for pb in (False, True)]
 )
 
 
-def compile_case(kernel, name, dtype, precision_bit, target, integer, even):
+def compile_case(kernel, name, dtype, precision_bit, target, integer, even, rows):
     from invact import _triton
 
     act = ACTIVATIONS[name]
-    return _triton.compile_for(kernel, act, dtype, precision_bit, TARGETS[target], integer, even=even)
+    target = TARGETS[target]
+    return _triton.compile_for(kernel, act, dtype, precision_bit, target, integer, even=even, rows=rows)
 
 
 def _compile_all() -> None:
