@@ -21,10 +21,15 @@ dy = dh * u and du = dh * y; dx of the gated form the sum of its two projections
 adds them), so gradients are bitwise the unfused patched module's (tested in fp32 and bf16, 2-D and
 3-D inputs, with and without biases). dg = q(y, bit) dy as InvAct's own backward (invact.ops).
 
+Under autocast (float32 x and weights, cast for the projections as autocast casts nn.Linear's
+inputs) the Function runs the same casts in forward, keeps x and the weights uncast (the modules
+keep cast copies: a copy of x per projection, as autocast caches only a leaf's cast), casts them
+again in backward and casts each gradient back, as the cast ops' backward does; bitwise the modules'
+gradients under the same autocast, x a leaf or not.
+
 A call the Function does not take runs the module's own forward (under invact.gated's recompute
 hooks for the gated form): under torch.compile (whose partitioner decides what to save), inside
-torch.func transforms, under autocast to a dtype other than x's (under autocast to x's own dtype, a
-bf16 model in bf16 autocast, every cast is a no-op and the Function runs), with keyword arguments,
+torch.func transforms, under autocast of a dtype autocast does not cast, with keyword arguments,
 with hooks on a child or global module hooks, a child that is no longer a plain nn.Linear (PEFT's
 LoRA wraps it after patch()), a 4-D or strided input, or dtypes that differ.
 """
@@ -67,6 +72,10 @@ class _MLP(torch.autograd.Function):
         out = F.linear(y if w_gate is None else y * u, w_down, b_down)
         ctx.set_materialize_grads(False)  # no zero gradient built for an output nobody differentiates
         ctx.act, ctx.precision_bit, ctx.backend, ctx.up_first = act, precision_bit, backward, up_first
+        # autocast casts a leaf that needs grad once (its cast cache) and both projections share that
+        # copy, whose gradient then sums their parts before the one cast back; any other x is cast per
+        # projection, each part cast back, and summed in x's dtype (see _cast_back)
+        ctx.cast_once = x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled()
         ctx.save_for_backward(rows, w_up, w_gate, w_down, y, None if w_gate is None else u,
                               bits if bits.numel() else None)  # fmt: skip
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
@@ -80,6 +89,14 @@ class _MLP(torch.autograd.Function):
             ctx.needs_input_grad[:8]
         )
         gated = w_gate is not None
+        x_dtype, w_dtype = rows.dtype, w_down.dtype
+        if y.dtype is not x_dtype:
+            # Under autocast the projections ran on x and weights cast to y's dtype (not kept: cast
+            # again here, the same values) and autograd casts each part of a gradient back, as the
+            # cast ops' backward does (cast_back below).
+            rows = rows.to(y.dtype)
+            w_up, w_down = w_up.to(y.dtype), w_down.to(y.dtype)
+            w_gate = w_gate if w_gate is None else w_gate.to(y.dtype)
         shape = dout.shape
         if dout.dim() != 2:
             dout = dout.reshape(-1, shape[-1])  # the rows the down projection's mm saw
@@ -96,7 +113,8 @@ class _MLP(torch.autograd.Function):
         if dx is not None and len(shape) != 2:
             dx = dx.view(*shape[:-1], dx.shape[-1])
         if not gated:
-            return dx, None, d_w_g, d_b_g, None, None, d_w_down, d_b_down, None, None, None
+            grads = dx, None, d_w_g, d_b_g, None, None, d_w_down, d_b_down
+            return (*_cast_back(grads, x_dtype, w_dtype), None, None, None)
         du = dh * y
         d_w_up = du.t().mm(rows) if need_w_up else None
         d_b_up = du.sum(0) if need_b_up else None
@@ -106,7 +124,20 @@ class _MLP(torch.autograd.Function):
         # Without this Function autograd runs the projection made last first (the higher sequence
         # number) and adds its part to x's gradient first; x's first input slot is added first here.
         first, second = (dx, dx_up) if ctx.up_first else (dx_up, dx)
-        return first, second, d_w_up, d_b_up, d_w_g, d_b_g, d_w_down, d_b_down, None, None, None
+        if first is not None and first.dtype is not x_dtype and ctx.cast_once:
+            first, second = first + second, None  # both parts of the one cast copy's gradient
+        grads = first, second, d_w_up, d_b_up, d_w_g, d_b_g, d_w_down, d_b_down
+        return (*_cast_back(grads, x_dtype, w_dtype), None, None, None)
+
+
+def _cast_back(grads: tuple, x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple:
+    """The gradients of (x, x_again, w_up, b_up, w_gate, b_gate, w_down, b_down) in their inputs'
+    dtypes: under autocast each is cast back from the dtype it was computed in, part by part for x."""
+    if grads[0] is None or grads[0].dtype is x_dtype:
+        if all(g is None or g.dtype is w_dtype for g in grads[2:]):
+            return grads
+    dtypes = (x_dtype, x_dtype) + (w_dtype,) * 6
+    return tuple(g if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
 # apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
@@ -258,12 +289,15 @@ class Forward:
             or not x.is_contiguous()  # a strided 3-D input by matmul and add, not on its rows
         ):
             return None
+        dtype = compute = x.dtype
         if _any_autocast():
             device = x.device.type
-            if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) is not x.dtype:
-                return None  # autocast casts x and the weights: their cast copies are what backward needs
+            if torch.is_autocast_enabled(device):
+                compute = torch.get_autocast_dtype(device)  # what F.linear casts x and the weights to
+                if compute is not dtype and dtype is not torch.float32:
+                    return None  # autocast casts float32 alone
         children, (up, gate, act, down, _) = self.module._modules, self.pattern
-        act, dtype = children[act], x.dtype
+        act = children[act]
         if not isinstance(act, InvAct) or type(act).forward is not InvAct.forward or not _bare(act):
             return None
         up, down = _parameters(children[up], dtype), _parameters(children[down], dtype)
@@ -275,7 +309,7 @@ class Forward:
         ):
             return None  # nothing to save: the modules as they are
         precision_bit = act.mode == "precision_bit"
-        if precision_bit and not _bits.supports_precision_bit(dtype):
+        if precision_bit and not _bits.supports_precision_bit(compute):
             return None  # the activation raises its own error for the dtype
         gated = gate[0] is not None
         return _apply(x, x if gated else None, *up, *gate, *down, ACTIVATIONS[act.activation], precision_bit,

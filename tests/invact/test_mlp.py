@@ -132,7 +132,7 @@ def _wrap_down(m):
 
 # Calls the Function does not take: (how the model is changed after patch(), how it is called)
 FALLBACKS = {
-    "autocast": (None, lambda m, x: _autocast(m, x)),
+    "autocast of float64 (not cast)": (lambda m: m.double(), lambda m, x: _autocast(m, x.double())),
     "keyword argument": (None, lambda m, x: m(x=x)),
     "hook on down": (_hook_down, lambda m, x: m(x)),
     "down wrapped": (_wrap_down, lambda m, x: m(x)),
@@ -144,7 +144,7 @@ FALLBACKS = {
 
 def _autocast(m, x):
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return m(x).float()
+        return m(x)
 
 
 def _no_grad(m, x):
@@ -176,6 +176,48 @@ def test_under_autocast_to_the_models_own_dtype_it_runs(dtype):
     assert type(got_out.grad_fn) is _MLP._backward_cls
     assert torch.equal(got_out, want_out)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class _Computed(nn.Module):
+    """model(x * 1): its input is computed, not a leaf (autocast caches the cast of a leaf needing grad,
+    and casts any other input once per use)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x * 1)
+
+
+@pytest.mark.parametrize("x_is", ["leaf", "computed"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_of_a_float32_model_it_runs_with_the_casts_gradients(dtype, bias, form, x_is):
+    # x and the weights are cast for the projections, as autocast casts them for nn.Linear, and each
+    # gradient is cast back: bitwise the modules' under the same autocast
+    unfused, fused = _pair(form, "silu" if form != "plain" else "gelu", torch.float32, bias)
+    if x_is == "computed":
+        unfused, fused = _Computed(unfused), _Computed(fused)
+    x = torch.randn(SHAPES["batch x seq"])
+    with torch.autocast("cpu", dtype=dtype):
+        (want_out, want), (got_out, got) = _grads(unfused, x), _grads(fused, x)
+    assert type(got_out.grad_fn) is _MLP._backward_cls and got_out.dtype == dtype
+    assert torch.equal(got_out, want_out)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_under_autocast_it_saves_no_more_than_the_modules():
+    # the modules save two cast copies of x (one per projection) and cast copies of the weights; the
+    # Function keeps x as it is and casts again in backward
+    unfused, fused = _pair("gated", "silu", torch.float32, bias=False)
+    x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved, saved_unfused = _saved_bytes(fused, x), _saved_bytes(unfused, x)
+    product = x.numel() // HIDDEN * INTERMEDIATE * 2  # h = y * u in bf16
+    assert saved <= saved_unfused - product
 
 
 def test_global_module_hooks_are_run():
