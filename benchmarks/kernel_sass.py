@@ -15,7 +15,8 @@ per row bounding the instructions per element from above (measure_norms). Each a
 comes in the specializations a launch picks by n: no masks where n is a multiple of the block (1024:
 every transformer shape here), masks per row of 8 elements where n is a multiple of 8 (a masked row
 is masked whole, so each thread still loads its 8 elements as one vector); --tails adds the kernels
-masked per element, for any other n, whose 16-bit loads go one element at a time. Calibration: on
+masked per element, whose 16-bit loads go one element at a time: they take any other n up to one
+block, and past it only the last n % 8 elements (a second launch: invact._triton._launch). Calibration: on
 the H100, gelu's bf16 backward (as it was then: 111 instructions per element counted for unaligned
 pointers, a specialization that never ran) measured 1852 GB/s against a copy of 2748; re-measure
 with tune.py when a GPU is lent. Writes

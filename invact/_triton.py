@@ -167,15 +167,28 @@ def _launch(kernel, config: Config, n: int, *tensors, **constexprs):
     """kernel over n elements. The first launch of each specialization goes through Triton's launcher,
     which compiles (or loads) the kernel; later ones call the compiled kernel directly, skipping the
     launcher's argument binding and cache-key building (host time per launch on the H100 machine:
-    27 us through the launcher)."""
+    27 us through the launcher). Specialized on n: no masks for a multiple of the block, masks by rows
+    of 8 for a multiple of 8; past one block, any other n is two launches (the last n % 8 elements
+    alone)."""
     device = tensors[0].device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         # Triton launches on the current device; tensors on another (a model split across GPUs in one
         # process) need it made current, as torch's own ops do.
         with torch.cuda.device(device):
             return _launch(kernel, config, n, *tensors, **constexprs)
+    odd = n % 8
+    if odd and n > config.block:
+        # Masks per element load a thread's elements one at a time (kernels at 88-95% of the copy,
+        # benchmarks/kernel_sass.py --tails): they take only the last n % 8 elements, the rest runs
+        # masked by rows (or not at all). The bits of those elements are their own byte (the rest is
+        # a multiple of 8), where that launch's pointers start.
+        rows = n - odd
+        _launch(kernel, config, rows, *tensors, **constexprs)
+        tail = (t[rows // 8 :] if t.dtype == torch.uint8 else t[rows:] for t in tensors)  # bits: uint8
+        _launch(kernel, config, odd, *tail, **constexprs)
+        return
     grid = (triton.cdiv(max(n, 1), config.block), 1, 1)
-    constexprs["EVEN"], constexprs["ROWS"] = n % config.block == 0, n % 8 == 0
+    constexprs["EVEN"], constexprs["ROWS"] = n % config.block == 0, odd == 0
     key = _specialization(kernel, config, n, tensors, constexprs)
     hit = _COMPILED.get(key)
     if hit is not None:
