@@ -9,7 +9,7 @@ autograd nodes (three for the plain form), and which saves what the modules save
 product h = y * u: x, y = act(g) with its bits, u, and the weights (h is recomputed in backward, as
 invact.gated's hooks recompute it, without their Python call per saved tensor). Measured on a 2-core
 Intel Xeon (AVX-512), 1 thread, benchmarks/host_time.py --rounds 41, forward + backward at batch 4
-(torch's modules = 1): SwiGLU MLP 16-32-16 with the gated hooks 1.90x, as this Function 1.15x; GELU
+(torch's modules = 1): SwiGLU MLP 16-32-16 with the gated hooks 1.90x, as this Function 1.15x; the plain
 MLP 16-64-16 1.12x.
 
 Forward: F.linear for the projections, invact's forward for act (the backend InvAct's eager path
