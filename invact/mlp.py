@@ -22,9 +22,9 @@ adds them), so gradients are bitwise the unfused patched module's (tested in fp3
 3-D inputs, with and without biases). dg = q(y, bit) dy as InvAct's own backward (invact.ops).
 
 Under autocast (float32 x and weights, cast for the projections as autocast casts nn.Linear's
-inputs) the Function runs the same casts in forward, keeps x and the weights uncast (the modules
-keep cast copies: a copy of x per projection, as autocast caches only a leaf's cast), casts them
-again in backward and casts each gradient back, as the cast ops' backward does; bitwise the modules'
+inputs) the Function runs the same casts in forward and keeps one cast copy of x (the modules keep
+one per projection, as autocast caches only a leaf's cast) and the weights uncast (cast again in
+backward), and casts each gradient back, as the cast ops' backward does; bitwise the modules'
 gradients under the same autocast, x a leaf or not.
 
 A call the Function does not take runs the module's own forward (under invact.gated's recompute
@@ -47,7 +47,7 @@ from torch import nn
 from invact import _bits
 from invact.activations import ACTIVATIONS
 from invact.modules import InvAct
-from invact.ops import _eager_backends, plain_dx
+from invact.ops import _eager_backends, _is_wrapped, _transforms_active, plain_dx
 
 _MULTIPLY = (operator.mul, torch.mul, torch.Tensor.mul)
 _LEAF_PARAMETER = (nn.Parameter, torch.Tensor)  # not a tensor subclass (DTensor, a quantized weight)
@@ -61,10 +61,14 @@ class _MLP(torch.autograd.Function):
     older style (forward takes ctx) for invact.ops._EagerPlain's reason: less host time per apply."""
 
     @staticmethod
-    def forward(ctx, x, x_again, w_up, b_up, w_gate, b_gate, w_down, b_down, act, precision_bit, up_first):
+    def forward(ctx, x, x_again, w_up, b_up, w_gate, b_gate, w_down, b_down, act, precision_bit, up_first,
+                compute):  # fmt: skip
         # x_again: x once more in the gated form, so that x's gradient gets its two projections' parts
-        # one by one, in the order autograd adds them without this Function (see backward)
+        # one by one, in the order autograd adds them without this Function (see backward). compute:
+        # the dtype the projections run in, autocast's where it casts x, else x's own.
         rows = x if x.dim() == 2 else x.view(-1, x.shape[-1])
+        if compute is not x.dtype:  # autocast's cast of x, made once and kept, as the modules keep theirs
+            rows = rows.to(compute)
         u = F.linear(rows, w_up, b_up)
         g = u if w_gate is None else F.linear(rows, w_gate, b_gate)
         forward, backward = _eager_backends(g)
@@ -72,6 +76,7 @@ class _MLP(torch.autograd.Function):
         out = F.linear(y if w_gate is None else y * u, w_down, b_down)
         ctx.set_materialize_grads(False)  # no zero gradient built for an output nobody differentiates
         ctx.act, ctx.precision_bit, ctx.backend, ctx.up_first = act, precision_bit, backward, up_first
+        ctx.x_dtype = x.dtype
         # autocast casts a leaf that needs grad once (its cast cache) and both projections share that
         # copy, whose gradient then sums their parts before the one cast back; any other x is cast per
         # projection, each part cast back, and summed in x's dtype (see _cast_back)
@@ -83,18 +88,17 @@ class _MLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
-            return (None,) * 11
+            return (None,) * 12
         rows, w_up, w_gate, w_down, y, u, bits = ctx.saved_tensors
         need_x, _, need_w_up, need_b_up, need_w_gate, need_b_gate, need_w_down, need_b_down = (
             ctx.needs_input_grad[:8]
         )
         gated = w_gate is not None
-        x_dtype, w_dtype = rows.dtype, w_down.dtype
-        if y.dtype is not x_dtype:
-            # Under autocast the projections ran on x and weights cast to y's dtype (not kept: cast
-            # again here, the same values) and autograd casts each part of a gradient back, as the
-            # cast ops' backward does (cast_back below).
-            rows = rows.to(y.dtype)
+        x_dtype, w_dtype = ctx.x_dtype, w_down.dtype
+        if rows.dtype is not x_dtype:
+            # Under autocast the projections ran on x and weights cast to y's dtype (the weights not
+            # kept: cast again here, the same values) and autograd casts each part of a gradient back,
+            # as the cast ops' backward does (cast_back below).
             w_up, w_down = w_up.to(y.dtype), w_down.to(y.dtype)
             w_gate = w_gate if w_gate is None else w_gate.to(y.dtype)
         shape = dout.shape
@@ -114,7 +118,7 @@ class _MLP(torch.autograd.Function):
             dx = dx.view(*shape[:-1], dx.shape[-1])
         if not gated:
             grads = dx, None, d_w_g, d_b_g, None, None, d_w_down, d_b_down
-            return (*_cast_back(grads, x_dtype, w_dtype), None, None, None)
+            return (*_cast_back(grads, x_dtype, w_dtype), None, None, None, None)
         du = dh * y
         d_w_up = du.t().mm(rows) if need_w_up else None
         d_b_up = du.sum(0) if need_b_up else None
@@ -127,7 +131,7 @@ class _MLP(torch.autograd.Function):
         if first is not None and first.dtype is not x_dtype and ctx.cast_once:
             first, second = first + second, None  # both parts of the one cast copy's gradient
         grads = first, second, d_w_up, d_b_up, d_w_g, d_b_g, d_w_down, d_b_down
-        return (*_cast_back(grads, x_dtype, w_dtype), None, None, None)
+        return (*_cast_back(grads, x_dtype, w_dtype), None, None, None, None)
 
 
 def _cast_back(grads: tuple, x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple:
@@ -222,8 +226,6 @@ _GLOBAL_HOOKS = tuple(
                  "_global_backward_hooks")
 )  # fmt: skip
 _any_autocast = torch._C._is_any_autocast_enabled
-_transforms_active = torch._C._are_functorch_transforms_active
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _bare(module: nn.Module) -> bool:
@@ -313,7 +315,7 @@ class Forward:
             return None  # the activation raises its own error for the dtype
         gated = gate[0] is not None
         return _apply(x, x if gated else None, *up, *gate, *down, ACTIVATIONS[act.activation], precision_bit,
-                      self.pattern.up_first)  # fmt: skip
+                      self.pattern.up_first, compute)  # fmt: skip
 
 
 def fuse(module: nn.Module, hooks=None, gated: bool = True) -> Pattern | None:

@@ -95,6 +95,11 @@ def test_every_activation_fuses_bitwise(form, activation):
 
 def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd saves in one forward (parameters left out)."""
+    return sum(_saved_sizes(model, x))
+
+
+def _saved_sizes(model: nn.Module, x: torch.Tensor) -> list[int]:
+    """Bytes of each distinct storage autograd saves in one forward (parameters left out)."""
     storages = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
@@ -106,7 +111,7 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x)
-    return sum(storages.values())
+    return list(storages.values())
 
 
 @pytest.mark.parametrize("form", ["plain", "gated"])
@@ -209,15 +214,20 @@ def test_under_autocast_of_a_float32_model_it_runs_with_the_casts_gradients(dtyp
         assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
-def test_under_autocast_it_saves_no_more_than_the_modules():
-    # the modules save two cast copies of x (one per projection) and cast copies of the weights; the
-    # Function keeps x as it is and casts again in backward
-    unfused, fused = _pair("gated", "silu", torch.float32, bias=False)
+@pytest.mark.parametrize("x_is", ["leaf", "computed"])
+@pytest.mark.parametrize("form", ["plain", "gated"])
+def test_under_autocast_it_saves_no_more_than_the_modules(form, x_is):
+    # the modules save a cast copy of x per projection (one if x is a leaf: autocast's cache) and cast
+    # copies of the weights; the Function one cast copy of x, the weights cast again in backward.
+    unfused, fused = _pair(form, "silu", torch.float32, bias=False)
+    if x_is == "computed":
+        unfused, fused = _Computed(unfused), _Computed(fused)
     x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        saved, saved_unfused = _saved_bytes(fused, x), _saved_bytes(unfused, x)
-    product = x.numel() // HIDDEN * INTERMEDIATE * 2  # h = y * u in bf16
-    assert saved <= saved_unfused - product
+        saved, saved_unfused = _saved_sizes(fused, x), _saved_sizes(unfused, x)
+    product = x.numel() // HIDDEN * INTERMEDIATE * 2 if form == "gated" else 0  # h = y * u in bf16
+    weights = sum(2 * p.numel() for p in fused.parameters())  # the modules' bf16 copies of them
+    assert sum(saved) <= sum(saved_unfused) - product - weights
 
 
 def test_global_module_hooks_are_run():
