@@ -258,7 +258,7 @@ class _EagerPlain(torch.autograd.Function):
 
 def plain_dx(act: Activation, precision_bit: bool, backend: ModuleType, y, bits, dy) -> torch.Tensor:
     """dx from y, the bits and dy in a backward outside torch.func transforms (_EagerPlain's, and
-    invact.gated_down's), `backend` chosen in the forward (_eager_backends)."""
+    invact.mlp's), `backend` chosen in the forward (_eager_backends)."""
     if torch._C._functorch.maybe_current_level() is not None or torch.is_grad_enabled() or y.is_meta:
         # inside a torch.func transform, under create_graph=True, or on the meta device: as _Eager
         return _eager_backward_of(act.name, precision_bit, y, bits, dy)[0]
