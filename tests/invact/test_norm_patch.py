@@ -26,8 +26,9 @@ FREED_SHARE = 0.90
 
 
 def _decoders():
-    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ)  # fmt: skip
+    width = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=VOCAB, max_position_embeddings=SEQ)  # fmt: skip
+    small = dict(width, num_key_value_heads=2)
     t = transformers
     return {
         "llama": lambda: t.LlamaModel(t.LlamaConfig(**small)),
@@ -47,29 +48,11 @@ def _decoders():
             )
         ),  # fmt: skip
         "gpt_neox": lambda: t.GPTNeoXModel(
-            t.GPTNeoXConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                vocab_size=VOCAB,
-                max_position_embeddings=SEQ,
-                hidden_dropout=0.0,
-                attention_dropout=0.0,
-            )
-        ),  # fmt: skip
+            t.GPTNeoXConfig(**width, hidden_dropout=0.0, attention_dropout=0.0)
+        ),
         "bert": lambda: t.BertModel(
-            t.BertConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                vocab_size=VOCAB,
-                max_position_embeddings=SEQ,
-                hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0,
-            )
-        ),  # fmt: skip
+            t.BertConfig(**width, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        ),
     }
 
 
