@@ -20,7 +20,7 @@ from numba import types
 from numba.extending import overload
 
 from invact._cpu_math import _f32_as_i32, _i32_as_f32
-from invact._numba import SERIAL
+from invact._numba import SERIAL, keeps_torch_threads
 
 _FAST = {"reassoc", "contract"}  # vectorized row sums and FMAs; no approximate division or functions
 
@@ -101,6 +101,7 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return t.float().contiguous().numpy()
 
 
+@keeps_torch_threads
 def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor, center: bool):
     """(dx in dy's dtype where that is fp32 or bf16, else fp32; sum over rows of dy h; sum over rows
     of dy) for y and dy of shape (rows, d) (fp32 or bf16 read as they are, others converted), w_eff
@@ -115,7 +116,9 @@ def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor,
     shift = (bias.float() * scale).contiguous() if bias is not None else torch.zeros(d)
     dx = torch.empty(rows, d, dtype=dy.dtype if dy.dtype == torch.bfloat16 else torch.float32)
     # as many spans as torch has threads (torch.set_num_threads holds for this op too), at most numba's
-    threads = 1 if y.numel() <= SERIAL else max(1, min(torch.get_num_threads(), numba.get_num_threads()))
+    # (its configured count: numba.get_num_threads() would start its threading layer, keeps_torch_threads)
+    most = numba.config.NUMBA_NUM_THREADS
+    threads = 1 if y.numel() <= SERIAL else max(1, min(torch.get_num_threads(), most))
     partial = np.zeros((threads, 2, d), dtype=np.float32)
     kernel = _serial if threads == 1 else _parallel
     kernel(_array(y), _array(dy), scale.contiguous().numpy(), shift.numpy(), w.numpy(),

@@ -58,6 +58,25 @@ from invact.activations import SIXTEEN_BIT, Activation
 # at 2^16; NUMBA_NUM_THREADS=1).
 SERIAL = 2**16
 
+
+def keeps_torch_threads(fn):
+    """Decorator: torch's thread count after `fn` as before it. numba's OpenMP threading layer shares
+    the process's OpenMP runtime with torch, and starting it (its first parallel region, or even
+    numba.get_num_threads()) set torch's count to numba's: after torch.set_num_threads(1),
+    torch.get_num_threads() read 2 on a 2-core Intel Xeon, and every later torch op ran on 2 threads."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        threads = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    return call
+
+
 if np is not None:
     _GATHER_BITS = np.uint64(0x0102040810204080)  # as in invact/_numba_kernels.py: see _pack_less_one
     _TOP_BYTE = np.uint64(56)
@@ -135,6 +154,7 @@ def _packbits(less) -> torch.Tensor:
     return torch.from_numpy(np.packbits(less, axis=None, bitorder="little")).clone()
 
 
+@keeps_torch_threads
 def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Precision-bit mode in one pass: y's lowest mantissa bit := x < threshold, in place, for flat
     contiguous float32 CPU tensors (the bool mask then two bitwise passes: three passes)."""
@@ -143,6 +163,7 @@ def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.T
     return y
 
 
+@keeps_torch_threads
 def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """The packed bits of x < threshold (LSB first) for a flat contiguous float32 CPU tensor, in one
     pass over x. The threshold is rounded to float32 first, as torch does when it compares with a
@@ -153,6 +174,7 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return out
 
 
+@keeps_torch_threads
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """The packed bits (LSB first) of a flat contiguous bool CPU tensor."""
     flags = mask.view(torch.uint8).numpy()
@@ -181,6 +203,7 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
     return rows.as_strided(((count - 1) * stride + cols,), (1,)), count, stride, cols
 
 
+@keeps_torch_threads
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's forward, then the bits in one fused pass for float32 (other dtypes: the portable
     forward's)."""
@@ -268,6 +291,7 @@ def _flags(y: torch.Tensor, bits: torch.Tensor, precision_bit: bool) -> np.ndarr
     return np.unpackbits(bits.contiguous().numpy(), count=y.numel(), bitorder="little")
 
 
+@keeps_torch_threads
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
              ) -> torch.Tensor:  # fmt: skip
     """dx = dy * q(y, bit) for flat CPU tensors, or contiguous ones of one shape (dx then in y's).
