@@ -111,14 +111,20 @@ def _row(label: str, kernel: str, dtype_name: str, masks: str, counts: collectio
     }  # fmt: skip
 
 
-# The inverted norms' backward kernel (invact/_norm_triton.py): (label, dtype, residuals, center).
-NORM_KERNELS = [
-    ("norm rms", "float32", False, False),
-    ("norm layer", "float32", False, True),
-    ("norm rms", "bfloat16", False, False),
-    ("norm layer", "bfloat16", False, True),
-    ("norm rms, residuals", "bfloat16", True, False),
-]
+def norm_kernels() -> list[tuple[str, str, bool, bool]]:
+    """The inverted norms' backward kernel (invact/_norm_triton.py) in each form the norm spec's variants
+    compile it to, fp32 and bf16: (label, dtype, residuals, center), e.g. ("norm rms, residuals",
+    "bfloat16", True, False)."""
+    from invact.norm import VARIANTS, keeps_residual
+
+    forms = {
+        (dtype, keeps_residual(name, DTYPES[dtype]), v.center)
+        for name, v in VARIANTS.items()
+        for dtype in ("float32", "bfloat16")
+    }
+    order = sorted(forms, key=lambda f: (f[2], f[1], f[0] != "float32"))
+    label = {False: "norm rms", True: "norm layer"}
+    return [(label[c] + (", residuals" if r else ""), dtype, r, c) for dtype, r, c in order]
 
 
 def measure_norms(copy_gbps: dict[str, float]) -> list[dict]:
@@ -130,7 +136,7 @@ def measure_norms(copy_gbps: dict[str, float]) -> list[dict]:
 
     per_thread = _norm_triton.SASS_WIDTH // (32 * _norm_triton.SASS_WARPS)
     rows = []
-    for label, dtype_name, residual, center in NORM_KERNELS:
+    for label, dtype_name, residual, center in norm_kernels():
         dtype = DTYPES[dtype_name]
         counts = sass_counts(_norm_triton.compile_for(dtype, residual, center).asm["cubin"])
         moved = bytes_per_element("backward", dtype.itemsize, False) + (0.5 if residual else 0.0)

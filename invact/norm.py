@@ -96,18 +96,21 @@ def _forward(x: torch.Tensor, weight, bias, eps: float, v: Variant):
             x, weight, bias = (None if t is None else t.to(dtype) for t in (x, weight, bias))
         return (*torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps), None)
     xf = x.to(compute_dtype(v, x.dtype))
+    mean = xf.mean(-1, keepdim=True) if v.center else None
+    if v.center:  # Cohere's LayerNorm: x - mean, formed twice by the module, the same values
+        xf = xf - mean
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     h = xf * rstd  # the modules' order: x times rsqrt(variance + eps)
     if weight is None:
-        return h.to(x.dtype), None, rstd, None
+        return h.to(x.dtype), mean, rstd, None
     if v.cast == "before_weight":
-        return weight * h.to(x.dtype), None, rstd, None
+        return weight * h.to(x.dtype), mean, rstd, None
     if v.cast == "after_weight":
         pre = h * (1.0 + weight.float()) if v.offset else weight * h
         y = pre.to(x.dtype)
-        return y, None, rstd, (pre if y.dtype != pre.dtype else None)
+        return y, mean, rstd, (pre if y.dtype != pre.dtype else None)
     # weight_dtype (T5): to the weight's dtype where that is 16-bit, then times it
-    return weight * (h.to(weight.dtype) if weight.dtype in SIXTEEN_BIT else h), None, rstd, None
+    return weight * (h.to(weight.dtype) if weight.dtype in SIXTEEN_BIT else h), mean, rstd, None
 
 
 _AUTOCAST_LAYER_NORM: dict[tuple, torch.dtype] = {}
@@ -406,14 +409,18 @@ class InvNorm(nn.Module):
     """A normalization over the last dimension that saves its output and per-row rstd for backward
     (see the module docstring). `variant`: a name in VARIANTS; `weight`, `bias`: the replaced module's
     parameters (the same Parameter objects, so optimizers and state dicts see no change; None where it
-    has none); `eps`: its epsilon (None: torch's RMSNorm default). Exposes eps under the replaced
-    module's attribute name too (Hugging Face's `variance_epsilon`)."""
+    has none); `eps`: its epsilon (None: torch's RMSNorm default); `eps_name`: the attribute the replaced
+    module holds it under (default: the variant's), which InvNorm answers to as well (Hugging Face's
+    `variance_epsilon`)."""
 
-    def __init__(self, variant: str, weight, bias, eps: float | None, replaces: str = "") -> None:
+    def __init__(
+        self, variant: str, weight, bias, eps: float | None, replaces: str = "", eps_name: str | None = None
+    ) -> None:
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"unknown norm variant {variant!r} (choose from {', '.join(VARIANTS)})")
         self.variant, self.replaces = variant, replaces
+        self.eps_name = eps_name or VARIANTS[variant].eps
         self.weight, self.bias = weight, bias
         self.eps = eps
         self._checked: tuple | None = None  # (the parameters' versions and dtype, invertible)
@@ -422,8 +429,7 @@ class InvNorm(nn.Module):
         try:  # parameters first: forward reads weight and bias through here on every call
             return super().__getattr__(name)
         except AttributeError:
-            variant = self.__dict__.get("variant")
-            if variant is not None and name == VARIANTS[variant].eps:  # the replaced module's name
+            if name == self.__dict__.get("eps_name"):  # the replaced module's name for it
                 return self.__dict__["eps"]
             raise
 
@@ -473,7 +479,8 @@ def _probe_tensors(module: nn.Module, v: Variant, dtype: torch.dtype, generator:
     """(x, parameters) for one probe: 5 rows of the module's width on CPU, the parameters random
     (weight near its offset's 1, so every variant's y is well away from zero) in their own dtypes."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    d = weight.shape[-1] if weight is not None else getattr(module, "normalized_shape", (0,))[-1]
+    # a module with neither weight nor normalized_shape normalizes rows of any width: 8 stands for all
+    d = weight.shape[-1] if weight is not None else getattr(module, "normalized_shape", (8,))[-1]
     x = torch.randn(5, d, generator=generator).to(dtype)
     params = {}
     if weight is not None:
@@ -484,6 +491,16 @@ def _probe_tensors(module: nn.Module, v: Variant, dtype: torch.dtype, generator:
     return x, params
 
 
+# The attribute names modules hold epsilon under (Hugging Face's copies use both for one formula: Llama's
+# RMSNorm `variance_epsilon`, Llama 4's `eps`): a variant's own name (the spec's `eps`) is tried first.
+EPS_NAMES = ("eps", "variance_epsilon")
+
+
+def eps_name(module: nn.Module, v: Variant) -> str | None:
+    """The attribute `module` holds its epsilon under, for variant v; None where it has none."""
+    return next((n for n in dict.fromkeys((v.eps, *EPS_NAMES)) if hasattr(module, n)), None)
+
+
 def _structure(module: nn.Module, v: Variant) -> str | None:
     """Why the module cannot be variant v whatever its forward computes; None if it can."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -492,15 +509,14 @@ def _structure(module: nn.Module, v: Variant) -> str | None:
     shape = getattr(module, "normalized_shape", None)
     if shape is not None and len(tuple(shape)) != 1:
         return f"it normalizes over {len(tuple(shape))} dimensions (InvNorm: the last one)"
-    if weight is None and shape is None:
-        return "it has neither a weight nor a normalized_shape to tell its width"
     if bias is not None and not (isinstance(bias, nn.Parameter) and v.bias):
         return "it adds a bias the formula has not" if not v.bias else "its bias is not a parameter"
-    if not hasattr(module, v.eps):
-        return f"it has no {v.eps!r} attribute"
-    eps = getattr(module, v.eps)
+    name = eps_name(module, v)
+    if name is None:
+        return f"it has no epsilon attribute ({' or '.join(dict.fromkeys((v.eps, *EPS_NAMES)))})"
+    eps = getattr(module, name)
     if not (isinstance(eps, float) or (eps is None and v.name == "rms_torch")):
-        return f"its {v.eps} is {eps!r}, not a float"
+        return f"its {name} is {eps!r}, not a float"
     if any(True for _ in module.buffers()):
         return "it holds buffers"
     return None
@@ -514,7 +530,7 @@ def match(module: nn.Module) -> tuple[str | None, str]:
     formula gives the module's own forward output bitwise on probes in float32 and bfloat16 (CPU,
     random parameters of the module's shapes and dtypes), else (None, why not). Remembered per class
     and the dtypes and kinds of what the module holds (what the probe's answer depends on)."""
-    names = ("weight", "bias", "eps", "variance_epsilon", "normalized_shape")
+    names = ("weight", "bias", *EPS_NAMES, "normalized_shape")
     held = (getattr(module, a, None) for a in names)
     key = (type(module), *((getattr(t, "dtype", None), getattr(t, "shape", None), type(t)) for t in held))
     if key not in _MATCHED:
@@ -554,7 +570,7 @@ def _differs_quietly(module: nn.Module, v: Variant, generator: torch.Generator) 
     compared = 0
     for dtype in dict.fromkeys((own, torch.float32, torch.bfloat16)):
         x, params = _probe_tensors(module, v, dtype, generator)
-        eps = getattr(module, v.eps)
+        eps = getattr(module, eps_name(module, v))
         try:
             with torch.no_grad():
                 theirs = torch.func.functional_call(module, params, (x,), strict=False)
@@ -575,8 +591,8 @@ def _differs_quietly(module: nn.Module, v: Variant, generator: torch.Generator) 
 
 def replacement(module: nn.Module, variant: str) -> InvNorm:
     """The InvNorm that replaces `module` (holding its very parameters)."""
-    v = VARIANTS[variant]
+    name = eps_name(module, VARIANTS[variant])
     new = InvNorm(variant, getattr(module, "weight", None), getattr(module, "bias", None),
-                  getattr(module, v.eps), replaces=_qualname(module))  # fmt: skip
+                  getattr(module, name), replaces=_qualname(module), eps_name=name)  # fmt: skip
     new.train(module.training)
     return new

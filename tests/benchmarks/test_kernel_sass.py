@@ -19,6 +19,10 @@ from invact.activations import ACTIVATIONS
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kernel_sass import norm_kernels  # noqa: E402
+
 DTYPES = ("float32", "bfloat16", "float16")
 # The share of the same-bytes copy's GB/s a kernel must be predicted at. InvAct's claim is speed at no
 # cost: a bare kernel at the copy's rate, so its share of a block's time is torch's. One instruction per
@@ -35,11 +39,9 @@ CASES = [
 ]
 
 
-# the inverted norms' backward kernel, as kernel_sass.py labels its rows
-NORM_CASES = [("norm rms", d) for d in ("float32", "bfloat16")] + [
-    ("norm layer", d) for d in ("float32", "bfloat16")
-]
-NORM_CASES += [("norm rms, residuals", "bfloat16")]
+# the inverted norms' backward kernel in each form the norm spec compiles it to, as kernel_sass.py
+# labels its rows
+NORM_CASES = [(label, dtype) for label, dtype, _, _ in norm_kernels()]
 
 
 @pytest.fixture(scope="module")

@@ -70,11 +70,11 @@ def _reference(m: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     x64 = x.detach().double().requires_grad_()
     w64 = m.weight.detach().double().requires_grad_()
     b64 = m.bias.detach().double() if getattr(m, "bias", None) is not None else None
+    eps = getattr(m, norm.eps_name(m, v)) or torch.finfo(torch.float32).eps
     if v.center:
         mu = x64.mean(-1, keepdim=True)
-        h = (x64 - mu) * torch.rsqrt((x64 - mu).pow(2).mean(-1, keepdim=True) + m.eps)
+        h = (x64 - mu) * torch.rsqrt((x64 - mu).pow(2).mean(-1, keepdim=True) + eps)
     else:
-        eps = getattr(m, v.eps) or torch.finfo(torch.float32).eps
         h = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
     y = h * (w64 + v.offset) + (b64 if b64 is not None else 0)
     y.backward(dy.double())
@@ -236,6 +236,63 @@ def test_unlisted_class_is_found_by_its_formula():
     assert norm.match(MyModelRMSNorm(8))[0] == "rms"
     variant, why = norm.match(OtherRMSNorm(8))
     assert variant is None and "no norm formula" in why
+
+
+class _EpsRMSNorm(nn.Module):
+    """Llama's formula with epsilon held as `eps` (Llama 4's copy), not the spec's `variance_epsilon`."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.eps = 1e-5
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class _WeightlessRMSNorm(nn.Module):
+    """No weight and no width attribute: it normalizes rows of any width (NanoChat's, HRM's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+@pytest.mark.parametrize("make", [lambda: _EpsRMSNorm(24), _WeightlessRMSNorm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_epsilon_under_either_name_and_weightless_norms_are_matched(make, dtype):
+    """Matched as 'rms', and then the very InvNorm Llama's RMSNorm gets for the same weight (ones where
+    there is none) and epsilon: its output and dx bitwise, from y (not x)."""
+    m = make()
+    variant, why = norm.match(m)
+    assert variant == "rms", why
+    inv = norm.replacement(m, variant)
+    assert inv.eps == m.eps and inv.eps_name == "eps"
+    llama = _module(ONE_PER_VARIANT["rms"], 24)
+    with torch.no_grad():
+        llama.weight.copy_(m.weight if getattr(m, "weight", None) is not None else torch.ones(24))
+    llama.variance_epsilon = m.eps
+    x = torch.randn(5, 24).to(dtype)
+    (a, b), dy = [x.clone().requires_grad_() for _ in range(2)], torch.randn(5, 24).to(dtype)
+    y, theirs, reference = inv(a), m(x), _inverted(llama)(b)
+    assert torch.equal(y, theirs) and torch.equal(y, reference)
+    y.backward(dy)
+    reference.backward(dy)
+    assert torch.equal(a.grad, b.grad)
+    assert not _keeps_x(inv, x.clone().requires_grad_())
+
+
+def test_invnorm_answers_to_the_replaced_modules_epsilon_name():
+    m = _module(ONE_PER_VARIANT["rms"], 8)
+    inv = _inverted(m)
+    assert inv.variance_epsilon == m.variance_epsilon
+    with pytest.raises(AttributeError):
+        inv.eps_of_another_name  # noqa: B018 - the lookup is the test
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

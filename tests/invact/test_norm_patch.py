@@ -35,6 +35,7 @@ def _decoders():
         "qwen2": lambda: t.Qwen2Model(t.Qwen2Config(**small)),
         "qwen3": lambda: t.Qwen3Model(t.Qwen3Config(**small, head_dim=16)),
         "gemma": lambda: t.GemmaModel(t.GemmaConfig(**small, head_dim=16)),
+        "cohere": lambda: t.CohereModel(t.CohereConfig(**small)),
         "gpt2": lambda: t.GPT2Model(
             t.GPT2Config(
                 n_embd=64,
