@@ -22,6 +22,7 @@ from torch import nn
 from invact import _generated
 from invact._generated import modules as _classes
 from invact.activations import ACTIVATIONS
+from invact.callers import inplace_use
 from invact.gated import multiply, recompute_products
 from invact.memory import parameter_storages
 from invact.mlp import fuse
@@ -197,6 +198,9 @@ def _static_risk(model: nn.Module, name: str, function_attribute: bool) -> str |
     if named:
         return (f"its module holds {named[0]}, by its name a Dropout(p > 0) on the activation's output, "
                 f"so the next layer saves another tensor and InvAct would add memory{RISK_HINT}")  # fmt: skip
+    use = None if function_attribute else inplace_use(model, name)
+    if use is not None:
+        return f"its output is modified in place after it ({use}): InvAct saves it for backward"
     return None
 
 
@@ -401,9 +405,13 @@ def _kept_bytes(module: nn.Module, y: torch.Tensor, saved_later: bool) -> int:
 
 def _norm_risk(model: nn.Module, name: str) -> str | None:
     """In nn.Sequential, the module after a norm: Dropout(p > 0) (the next layer saves the dropped-out
-    tensor, not y) or in place (it would overwrite the y backward reads); None otherwise."""
+    tensor, not y) or in place (it would overwrite the y backward reads); elsewhere, forward code that
+    calls it and then modifies its output in place (invact.callers); None otherwise."""
     parent, attr = _parent(model, name)
     if not isinstance(parent, nn.Sequential):
+        use = inplace_use(model, name)
+        if use is not None:
+            return f"its output is modified in place after it ({use}): the inverted norm saves it"
         return None
     names = [n for n, _ in parent.named_children()]
     if attr not in names or names.index(attr) + 1 == len(names):
