@@ -6,9 +6,10 @@ the write a fused norm backward needs (the row is read twice, from cache).
 Per row, with h = y scale - shift (scale = 1 / w_eff, shift = b / w_eff) and g = dy w_eff:
     dx = rstd (g - [mean g] - h mean(g h))      ([mean g] only where the norm centers: LayerNorm)
 in fp32, the row sums in fp32 (reassociated for vector lanes: the sum over d elements is within d
-roundings of the exact one, as a sequential sum is). Compiled with cache=True (numba's disk cache),
-on first use; imported by invact.norm only when a CPU backward runs and numba is installed. Up to
-SERIAL elements the serial kernel runs on the calling thread (no parallel region: see invact._numba).
+roundings of the exact one, as a sequential sum is), the sums over rows for dweight and dbias in fp64.
+Compiled with cache=True (numba's disk cache), on first use; imported by invact.norm only when a CPU
+backward runs and numba is installed. Up to SERIAL elements the serial kernel runs on the calling
+thread (no parallel region: see invact._numba).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor, center: bool):
     """(dx in dy's dtype where that is fp32 or bf16, else fp32; sum over rows of dy h; sum over rows
     of dy) for y and dy of shape (rows, d) (fp32 or bf16 read as they are, others converted), w_eff
-    and bias (d,) or None, rstd (rows, 1). Sums in fp32."""
+    and bias (d,) or None, rstd (rows, 1). Row sums in fp32, the sums over rows in fp64."""
     rows, d = y.shape
     if w_eff is None:
         w = torch.ones(d)
@@ -119,7 +120,9 @@ def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor,
     # (its configured count: numba.get_num_threads() would start its threading layer, keeps_torch_threads)
     most = numba.config.NUMBA_NUM_THREADS
     threads = 1 if y.numel() <= SERIAL else max(1, min(torch.get_num_threads(), most))
-    partial = np.zeros((threads, 2, d), dtype=np.float32)
+    # the sums over rows (dweight, dbias) in fp64: in fp32 each thread's running sum over its rows drifted
+    # to 9.5x the RMS error of torch's own dweight at 16384 rows (benchmarks/rope_inversion.py, fp32)
+    partial = np.zeros((threads, 2, d), dtype=np.float64)
     kernel = _serial if threads == 1 else _parallel
     kernel(_array(y), _array(dy), scale.contiguous().numpy(), shift.numpy(), w.numpy(),
            rstd.float().reshape(rows).contiguous().numpy(), center, _array(dx), partial)  # fmt: skip
