@@ -90,10 +90,23 @@ def available() -> bool:
 
 
 def _kernels():
-    """The kernels every activation shares (imports numba, and loads them from numba's disk cache)."""
+    """The kernels every activation shares (imports numba, and loads them from numba's disk cache),
+    about to run in parallel: on torch's thread count (_follow_torch_threads)."""
     from invact import _numba_kernels
 
+    _follow_torch_threads()
     return _numba_kernels
+
+
+def _follow_torch_threads() -> None:
+    """numba's parallel kernels on as many threads as torch's ops use (torch.set_num_threads holds for
+    them too), at most numba's configured count. Starts numba's threading layer: callers keep torch's
+    count (keeps_torch_threads)."""
+    import numba
+
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
 
 
 def _pack_less_one(x, threshold, out):  # pragma: no cover - runs compiled (_serial)
@@ -300,6 +313,8 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a buffer that
     stays in cache). Up to one span (SERIAL) the span's serial function runs on this thread: the
     function the parallel kernel calls on its one span."""
+    if y.numel() > SERIAL:  # the parallel kernels below
+        _follow_torch_threads()
     y32 = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
     dy32 = dy if dy.dtype == torch.float32 and dy.is_contiguous() else dy.float().contiguous()
     dx32 = torch.empty_like(y32)
