@@ -60,7 +60,8 @@ SERIAL = 2**16
 
 
 def keeps_torch_threads(fn):
-    """Decorator: torch's thread count after `fn` as before it. numba's OpenMP threading layer shares
+    """Decorator for the entry points (forward, backward; the helpers they call are covered by them):
+    torch's thread count after `fn` as before it. numba's OpenMP threading layer shares
     the process's OpenMP runtime with torch, and starting it (its first parallel region, or even
     numba.get_num_threads()) set torch's count to numba's: after torch.set_num_threads(1),
     torch.get_num_threads() read 2 on a 2-core Intel Xeon, and every later torch op ran on 2 threads."""
@@ -167,7 +168,6 @@ def _packbits(less) -> torch.Tensor:
     return torch.from_numpy(np.packbits(less, axis=None, bitorder="little")).clone()
 
 
-@keeps_torch_threads
 def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Precision-bit mode in one pass: y's lowest mantissa bit := x < threshold, in place, for flat
     contiguous float32 CPU tensors (the bool mask then two bitwise passes: three passes)."""
@@ -176,7 +176,6 @@ def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.T
     return y
 
 
-@keeps_torch_threads
 def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """The packed bits of x < threshold (LSB first) for a flat contiguous float32 CPU tensor, in one
     pass over x. The threshold is rounded to float32 first, as torch does when it compares with a
@@ -187,7 +186,6 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return out
 
 
-@keeps_torch_threads
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """The packed bits (LSB first) of a flat contiguous bool CPU tensor."""
     flags = mask.view(torch.uint8).numpy()

@@ -496,9 +496,14 @@ def _probe_tensors(module: nn.Module, v: Variant, dtype: torch.dtype, generator:
 EPS_NAMES = ("eps", "variance_epsilon")
 
 
+def _eps_names(v: Variant) -> tuple[str, ...]:
+    """The names tried for variant v's epsilon, its own first."""
+    return tuple(dict.fromkeys((v.eps, *EPS_NAMES)))
+
+
 def eps_name(module: nn.Module, v: Variant) -> str | None:
     """The attribute `module` holds its epsilon under, for variant v; None where it has none."""
-    return next((n for n in dict.fromkeys((v.eps, *EPS_NAMES)) if hasattr(module, n)), None)
+    return next((n for n in _eps_names(v) if hasattr(module, n)), None)
 
 
 def _structure(module: nn.Module, v: Variant) -> str | None:
@@ -513,7 +518,7 @@ def _structure(module: nn.Module, v: Variant) -> str | None:
         return "it adds a bias the formula has not" if not v.bias else "its bias is not a parameter"
     name = eps_name(module, v)
     if name is None:
-        return f"it has no epsilon attribute ({' or '.join(dict.fromkeys((v.eps, *EPS_NAMES)))})"
+        return f"it has no epsilon attribute ({' or '.join(_eps_names(v))})"
     eps = getattr(module, name)
     if not (isinstance(eps, float) or (eps is None and v.name == "rms_torch")):
         return f"its {name} is {eps!r}, not a float"
