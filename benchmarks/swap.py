@@ -20,6 +20,6 @@ def replace_activations(model: nn.Module, make: Callable[[nn.Module, str], nn.Mo
             continue
         parent, attr = _parent(model, d.name)
         old = getattr(parent, attr)
-        setattr(parent, attr, make(old, REPLACEABLE[d.cls](old, "bits").activation))
+        setattr(parent, attr, make(old, REPLACEABLE[d.cls](old)))
         replaced.append(d.name)
     return replaced

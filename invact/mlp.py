@@ -46,6 +46,7 @@ from torch import nn
 
 from invact import _bits
 from invact.activations import ACTIVATIONS
+from invact.identity import swap
 from invact.modules import InvAct
 from invact.ops import _eager_backends, _is_wrapped, _transforms_active, plain_dx
 
@@ -318,6 +319,16 @@ class Forward:
                       self.pattern.up_first, compute)  # fmt: skip
 
 
+class FusedMLP(nn.Module):
+    """What `fuse` makes a recognised MLP (in place, invact.identity: a subclass of its own class, which
+    keeps its forward; the instance's Forward takes the calls): a repr that says so."""
+
+    def invact_repr(self) -> str:
+        forward = self.__dict__.get("forward")
+        form = "gated" if isinstance(forward, Forward) and forward.pattern.gate is not None else "plain"
+        return repr(f"{form} MLP as one Function")
+
+
 def fuse(module: nn.Module, hooks=None, gated: bool = True) -> Pattern | None:
     """Set Forward as `module`'s forward where match() recognises it: the plain form always, the gated
     form only with `gated` (gated=False keeps the product saved, as the activation-only patch does),
@@ -327,4 +338,5 @@ def fuse(module: nn.Module, hooks=None, gated: bool = True) -> Pattern | None:
     if pattern is None or (pattern.gate is not None and not gated):
         return None
     module.forward = Forward(module, pattern, hooks if pattern.gate is not None else None)
+    swap(module, FusedMLP)
     return pattern

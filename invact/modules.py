@@ -90,6 +90,10 @@ class InvAct(nn.Module):
                 scopes[-1].calls.append((x, y))
         return y
 
+    def invact_repr(self) -> str:
+        """What the patch is, for the repr of a patched module (invact.identity)."""
+        return f"{self.activation!r}, mode={self.mode!r}"
+
     def extra_repr(self) -> str:
         shown = [f"{k}={getattr(self, k)!r}" for k in self._ARGUMENTS]
         if type(self) is InvAct:

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import re
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from invact._generated import norms as _spec
+from invact.identity import swap
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -407,11 +409,22 @@ _op_forward.register_autograd(_op_autograd_backward, setup_context=_op_setup_con
 
 class InvNorm(nn.Module):
     """A normalization over the last dimension that saves its output and per-row rstd for backward
-    (see the module docstring). `variant`: a name in VARIANTS; `weight`, `bias`: the replaced module's
-    parameters (the same Parameter objects, so optimizers and state dicts see no change; None where it
-    has none); `eps`: its epsilon (None: torch's RMSNorm default); `eps_name`: the attribute the replaced
-    module holds it under (default: the variant's), which InvNorm answers to as well (Hugging Face's
-    `variance_epsilon`)."""
+    (see the module docstring).
+
+    Two ways to have one. patch() (through `invert`) makes a norm it replaces an InvNorm in place: its
+    class becomes a subclass of its own class and of this one (invact.identity), so it keeps its
+    parameters, its epsilon attribute, its class name and `isinstance` with its class. Or build one:
+    `variant`, a name in VARIANTS; `weight`, `bias`: parameters (None where there are none); `eps`:
+    the epsilon (None: torch's RMSNorm default), held under `eps_name` (default: the variant's own
+    name, "eps" or "variance_epsilon"); `replaces`: a note for the repr.
+
+    What the forward reads: the variant (`_invact_variant`), the parameters in `_parameters` (where
+    nn.Module keeps them, FSDP2's unsharded ones too), and the epsilon under `_invact_eps_name`."""
+
+    _invact_variant: str
+    _invact_eps_name: str
+    # (weak references to the parameters, their versions and y's dtype), invertible: see _invertible
+    _invact_checked: tuple | None = None
 
     def __init__(
         self, variant: str, weight, bias, eps: float | None, replaces: str = "", eps_name: str | None = None
@@ -419,46 +432,65 @@ class InvNorm(nn.Module):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"unknown norm variant {variant!r} (choose from {', '.join(VARIANTS)})")
-        self.variant, self.replaces = variant, replaces
-        self.eps_name = eps_name or VARIANTS[variant].eps
         self.weight, self.bias = weight, bias
-        self.eps = eps
-        self._checked: tuple | None = None  # (the parameters' versions and dtype, invertible)
+        self.eps_name = eps_name or VARIANTS[variant].eps
+        setattr(self, self.eps_name, eps)
+        self.replaces = replaces
+        self._invact_variant, self._invact_eps_name = variant, self.eps_name
 
-    def __getattr__(self, name: str):
-        try:  # parameters first: forward reads weight and bias through here on every call
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == self.__dict__.get("eps_name"):  # the replaced module's name for it
-                return self.__dict__["eps"]
-            raise
+    def __getstate__(self):
+        # copies and pickles check afresh: weak references neither pickle nor point at a copy's tensors
+        return {**super().__getstate__(), "_invact_checked": None}
 
     def _invertible(self, dtype: torch.dtype) -> bool:
-        w, b = self.weight, self.bias
-        key = tuple((t.data_ptr(), t._version) if t is not None else None for t in (w, b)) + (dtype,)
-        if self._checked is None or self._checked[0] != key:
-            self._checked = (key, invertible(w, b, VARIANTS[self.variant], dtype))
-        return self._checked[1]
+        """invertible() of the parameters, computed again only when one of them is another tensor or
+        has changed (its version: an optimizer step bumps it). Weak references: a parameter replaced
+        (to_empty, loading) is neither kept alive nor mistaken for a new one at its address."""
+        params = self._parameters
+        w, b = params.get("weight"), params.get("bias")
+        checked = self._invact_checked
+        if checked is not None:
+            refs, versions, was, answer = checked
+            if was == dtype and all(
+                (r is None and t is None) or (r is not None and r() is t and t._version == n)
+                for r, t, n in zip(refs, (w, b), versions, strict=True)
+            ):
+                return answer
+        answer = invertible(w, b, VARIANTS[self._invact_variant], dtype)
+        refs = tuple(None if t is None else weakref.ref(t) for t in (w, b))
+        versions = tuple(None if t is None else t._version for t in (w, b))
+        self._invact_checked = (refs, versions, dtype, answer)
+        return answer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        v = VARIANTS[self.variant]
-        eps = default_eps(v, x.dtype) if self.eps is None else self.eps
-        params = [t for t in (self.weight, self.bias) if t is not None]
-        recording = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+        v = VARIANTS[self._invact_variant]
+        eps = getattr(self, self._invact_eps_name)
+        eps = default_eps(v, x.dtype) if eps is None else eps
+        params = self._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        recording = torch.is_grad_enabled() and (
+            x.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias))
+        )
         if (
             not recording
             or torch._C._are_functorch_transforms_active()
             or x.dtype == torch.float64
             and v.upcast == "float32"  # the module lowers it: nothing to keep
         ):
-            return forward(x, self.weight, self.bias, eps, v)[0]
+            return forward(x, weight, bias, eps, v)[0]
         if torch.compiler.is_compiling():  # traced as the custom op (see _op_forward)
-            return torch.ops.invact.norm_forward(x, self.weight, self.bias, eps, self.variant)[0]
-        return _Norm.apply(x, self.weight, self.bias, eps, v, self._invertible)
+            return torch.ops.invact.norm_forward(x, weight, bias, eps, self._invact_variant)[0]
+        return _Norm.apply(x, weight, bias, eps, v, self._invertible)
+
+    def invact_repr(self) -> str:
+        """What the patch is, for the repr of a patched module (invact.identity)."""
+        return repr(self._invact_variant)
 
     def extra_repr(self) -> str:
-        shape = tuple(self.weight.shape) if self.weight is not None else ()
-        return f"{self.variant!r}, {shape}, eps={self.eps}, replaces={self.replaces!r}"
+        weight = self._parameters.get("weight")
+        shape = tuple(weight.shape) if weight is not None else ()
+        eps = getattr(self, self._invact_eps_name)
+        return f"{self._invact_variant!r}, {shape}, eps={eps}, replaces={self.replaces!r}"
 
 
 def _qualname(module: nn.Module) -> str:
@@ -561,10 +593,13 @@ def _match(module: nn.Module) -> tuple[str | None, str]:
 
 
 def _differs(module: nn.Module, v: Variant) -> str | None:
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device="cpu").manual_seed(0)
     # torch's rms_norm warns of mixed dtypes (a 16-bit x, an fp32 weight); the probe is of the formula,
-    # not of an autocast region patch() may be called in
-    with warnings.catch_warnings(), torch.autocast("cpu", enabled=False):
+    # not of an autocast region patch() may be called in, nor of a default device it may be called
+    # under: inside `with torch.device("meta")` (how from_pretrained and accelerate's
+    # init_empty_weights build a model) the probe's tensors and those its forward makes would be meta
+    # tensors, whose values torch.equal cannot compare
+    with warnings.catch_warnings(), torch.autocast("cpu", enabled=False), torch.device("cpu"):
         warnings.simplefilter("ignore")
         return _differs_quietly(module, v, generator)
 
@@ -595,9 +630,17 @@ def _differs_quietly(module: nn.Module, v: Variant, generator: torch.Generator) 
 
 
 def replacement(module: nn.Module, variant: str) -> InvNorm:
-    """The InvNorm that replaces `module` (holding its very parameters)."""
+    """A new InvNorm that computes what `module` computes, holding its very parameters (`module` is
+    left as it is: for comparing the two; patch() uses `invert`)."""
     name = eps_name(module, VARIANTS[variant])
     new = InvNorm(variant, getattr(module, "weight", None), getattr(module, "bias", None),
                   getattr(module, name), replaces=_qualname(module), eps_name=name)  # fmt: skip
     new.train(module.training)
     return new
+
+
+def invert(module: nn.Module, variant: str) -> InvNorm:
+    """Make `module` an InvNorm of `variant` in place, keeping its class's identity (invact.identity):
+    the same object, parameters and attributes. Returns it."""
+    name = eps_name(module, VARIANTS[variant])
+    return swap(module, InvNorm, _invact_variant=variant, _invact_eps_name=name, _invact_checked=None)

@@ -1,4 +1,6 @@
-"""`invact.patch(model)`: swap every activation module InvAct reproduces exactly for its InvAct twin.
+"""`invact.patch(model)`: make every activation module InvAct reproduces exactly its InvAct twin, and
+every norm whose formula it reproduces an inverted norm, in place (each module stays the same object,
+an instance of its own class: invact.identity).
 
 Classes are matched by their qualified name, so neither transformers nor timm is imported here. A
 replacement computes the same function; torch's own op may differ from a Python composition (as
@@ -24,35 +26,65 @@ from invact._generated import modules as _classes
 from invact.activations import ACTIVATIONS
 from invact.callers import inplace_use
 from invact.gated import multiply, recompute_products
+from invact.identity import swap
 from invact.memory import parameter_storages
 from invact.mlp import fuse
 from invact.modules import InvAct
-from invact.norm import is_candidate, keeps_residual, match, replacement
+from invact.norm import invert, is_candidate, keeps_residual, match
+from invact.ops import check_mode
 
 log = logging.getLogger("invact")
-Factory = Callable[[nn.Module, str], nn.Module]
+# For a replaceable class or function: the activation (a name in ACTIVATIONS) an instance computes.
+Which = Callable[[object], str]
 
 
 def module_for(activation: str, mode: str) -> nn.Module:
-    """The InvAct module that computes `activation` (its torch-compatible class, generated MODULES)."""
+    """A new InvAct module that computes `activation` (its torch-compatible class, generated MODULES)."""
     cls, kwargs = _generated.MODULES[activation]
     return getattr(_classes, cls)(**kwargs, mode=mode)
+
+
+def patched(obj, activation: str, mode: str) -> nn.Module:
+    """`obj` computing `activation` through InvAct: a module becomes its InvAct class in place, keeping
+    its own class's identity (invact.identity); a function (an activation function attribute) gets a
+    new InvAct module."""
+    if not isinstance(obj, nn.Module):
+        return module_for(activation, mode)
+    check_mode(mode)
+    ACTIVATIONS[activation].generated  # noqa: B018 - resolved now, as InvAct.__init__ does (its comment)
+    cls, _ = _generated.MODULES[activation]
+    return swap(obj, getattr(_classes, cls), activation=activation, mode=mode)
+
+
+# The attributes patching sets on an activation module (InvAct's state): a module that has one of its own
+# is left alone, since the in-place patch would overwrite it.
+_INVACT_STATE = ("activation", "mode")
+
+
+def _clash(obj) -> str | None:
+    """Why patching `obj` in place would overwrite an attribute of its own; None if it would not."""
+    if not isinstance(obj, nn.Module):
+        return None
+    taken = [a for a in _INVACT_STATE if a in vars(obj) or hasattr(type(obj), a)]
+    if not taken:
+        return None
+    return f"it has an attribute {taken[0]!r} of its own, which InvAct's in-place patch would overwrite"
 
 
 def _matches(module, when: dict) -> bool:
     return all(getattr(module, k, None) == v for k, v in when.items())
 
 
-def _factory(options) -> Factory:
-    """For a replaced class: the InvAct module of the first activation whose attribute values match."""
+def _which(options) -> Which:
+    """For a replaced class: the first activation whose attribute values the instance has."""
 
-    def make(module, mode: str) -> nn.Module:
+    def which(module) -> str:
         for activation, when in options:
             if _matches(module, when):
-                return module_for(activation, mode)
+                return activation
         raise ValueError(_unsupported(options)(module))  # plan() has left it alone already
 
-    return make
+    return which
 
 
 def _unsupported(options) -> Callable[[nn.Module], str | None]:
@@ -76,9 +108,9 @@ def _unsupported(options) -> Callable[[nn.Module], str | None]:
     return reason
 
 
-# Qualified class name -> factory, for every class the spec says patch() replaces (each checked
-# against its source: the formulas are in invact/_generated/__init__.py, REPLACES).
-REPLACEABLE: dict[str, Factory] = {cls: _factory(options) for cls, options in _generated.REPLACES.items()}
+# Qualified class name -> the activation an instance computes, for every class the spec says patch()
+# replaces (each checked against its source: the formulas are in invact/_generated/__init__.py, REPLACES).
+REPLACEABLE: dict[str, Which] = {cls: _which(options) for cls, options in _generated.REPLACES.items()}
 
 # Replaceable classes whose instances may be configured beyond what InvAct reproduces: module -> the
 # reason to leave it alone, or None.
@@ -105,11 +137,10 @@ _ACTIVATION_LIKE = re.compile(
 RISK_HINT = "; pass example_inputs= to measure it"
 
 # Activations stored as plain function attributes of a module (nn.TransformerEncoderLayer keeps the
-# torch.nn.functional function it is given in self.activation): the function -> its InvAct module.
+# torch.nn.functional function it is given in self.activation): the function -> the activation.
 _FUNCTION_NAMES = {getattr(F, name.rpartition(".")[2]): name for name in _generated.FUNCTIONS}
-FUNCTIONS: dict[Callable, Factory] = {
-    fn: (lambda f, mode, a=_generated.FUNCTIONS[name]: module_for(a, mode))
-    for fn, name in _FUNCTION_NAMES.items()
+FUNCTIONS: dict[Callable, Which] = {
+    fn: (lambda f, a=_generated.FUNCTIONS[name]: a) for fn, name in _FUNCTION_NAMES.items()
 }
 
 
@@ -209,7 +240,7 @@ def _is_activation_like(module: nn.Module) -> bool:
 
 
 def _candidates(model: nn.Module):
-    """(name, class name, the object, a factory or None, is a function attribute) for every
+    """(name, class name, the object, its Which or None, is a function attribute) for every
     activation-like module and every activation function stored as a module attribute."""
     for name, module in model.named_modules(remove_duplicate=False):
         cls = _qualname(module)
@@ -262,14 +293,14 @@ def plan(
         raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     found, decisions = [], []
-    for name, cls, obj, factory, function_attribute in _candidates(model):
+    for name, cls, obj, which, function_attribute in _candidates(model):
         if isinstance(obj, InvAct):
             found.append(name)
             if obj.mode != mode and _selected(name, include, exclude):
                 decisions.append(Decision(name, cls, True, f"already InvAct: mode {obj.mode!r} -> {mode!r}"))
             continue
-        unsupported = CONDITIONS[cls](obj) if cls in CONDITIONS else None
-        if factory is not None:
+        unsupported = (CONDITIONS[cls](obj) if cls in CONDITIONS else None) or (which and _clash(obj))
+        if which is not None:
             if unsupported:
                 decisions.append(Decision(name, cls, False, unsupported))
             elif not _selected(name, include, exclude):
@@ -454,44 +485,40 @@ def patch(
     and u the multiply saves (invact.gated). With `example_inputs`, only modules where such a product
     is measured are hooked (plan()'s Decision.gated). gated=False keeps the activation-only behaviour.
 
-    Works on any device and dtype (InvAct modules hold no parameters) and inside wrappers such as
-    PEFT's. A module instance shared by several parents is replaced by one shared InvAct module. An
+    Each module is changed in place (invact.identity): the same object, still an instance of its
+    class, under its class name, with its parameters, attributes and hooks, so a module shared by
+    several parents stays shared. Works on any device and dtype, on a model whose parameters are on
+    the meta device (inside `with torch.device("meta")` too), and inside wrappers such as PEFT's. An
     already patched module whose mode differs from `mode` is switched to it. Activations left alone
     are logged on the "invact" logger (INFO) with the reason. A model loaded again (from_pretrained,
     a fresh instance) holds torch's activations: patch it again.
 
-    `norms` (default True): also replace each normalization layer whose
+    `norms` (default True): also make each normalization layer whose
     formula InvAct reproduces (RMSNorm, LayerNorm and their Hugging Face and timm variants, checked on
-    a probe: see plan()) by an invact.norm.InvNorm holding the same parameters, which saves its output
-    and rstd instead of its input. norms=False leaves every norm as it is (it does not undo an earlier
+    a probe: see plan()) an invact.norm.InvNorm in place, which saves its output and rstd instead of
+    its input. norms=False leaves every norm as it is (it does not undo an earlier
     patch(norms=True): a model loaded again holds torch's norms)."""
     decisions = plan(model, include=include, exclude=exclude, mode=mode, example_inputs=example_inputs,
                      gated=gated, norms=norms)  # fmt: skip
-    replaced, swapped = [], {}
-    factories = {name: factory for name, _, _, factory, _ in _candidates(model)}
+    replaced = []
+    which = {name: w for name, _, _, w, _ in _candidates(model)}
     for d in decisions:
         if not d.replace:
             log.info("invact.patch: left %s (%s) alone: %s", d.name, d.cls, d.reason)
             continue
-        if d.kind == "norm":
-            parent, attr = _parent(model, d.name)
-            old = getattr(parent, attr)
-            if id(old) not in swapped:
-                swapped[id(old)] = replacement(old, match(old)[0])
-            setattr(parent, attr, swapped[id(old)])
-            replaced.append(d.name)
-            continue
-        if not d.name:
+        if not d.name and d.kind != "norm":
             raise ValueError("the model itself is an activation: wrap it or use invact's modules directly")
         parent, attr = _parent(model, d.name)
         old = getattr(parent, attr)
-        if isinstance(old, InvAct):
+        if d.kind == "norm":
+            invert(old, match(old)[0])  # in place: a module shared by several parents once
+        elif isinstance(old, InvAct):
             old.mode = mode
-        else:
-            new = swapped.get(id(old)) if isinstance(old, nn.Module) else None  # a shared module stays shared
-            if new is None:
-                new = swapped[id(old)] = factories[d.name](old, mode)
-                new.train(old.training if isinstance(old, nn.Module) else parent.training)
+        elif isinstance(old, nn.Module):
+            patched(old, which[d.name](old), mode)
+        else:  # a function attribute: a module of its own per attribute (measured so by plan)
+            new = patched(old, which[d.name](old), mode)
+            new.train(parent.training)
             setattr(parent, attr, new)
         replaced.append(d.name)
     decided = {d.name for d in decisions}
@@ -582,9 +609,9 @@ def _measured(
     if not todo:
         return decisions
     objects, activation = {}, {}  # name -> the object called, and the registry name it computes
-    for name, _, obj, factory, _ in _candidates(model):
+    for name, _, obj, which, _ in _candidates(model):
         if name in todo:
-            objects[name], activation[name] = obj, factory(obj, mode).activation
+            objects[name], activation[name] = obj, which(obj)
     # A module is one object wherever it is shared; a function attribute (one torch.nn.functional
     # function is the same object in every layer) is one per name. Each object's calls are recorded
     # under its first name.

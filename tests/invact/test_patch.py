@@ -1,6 +1,7 @@
 """invact.patch on torch and Hugging Face models: coverage of every activation class, equal outputs,
 close gradients, and the saved-memory arithmetic."""
 
+import copy
 import logging
 
 import pytest
@@ -39,11 +40,12 @@ def test_every_transformers_activation_is_handled_or_deliberately_skipped(key):
     assert name in REPLACEABLE or name in SKIPPED, f"{key}: {name} is neither replaced nor skipped"
     if name not in REPLACEABLE:
         return
+    reference = copy.deepcopy(module)  # torch's: patch() changes `module` itself, in place
     holder = nn.Sequential(module)
     assert invact.patch(holder) == ["0"]
     x = torch.randn(4096) * 4
     xt, xi = x.clone().requires_grad_(), x.clone().requires_grad_()
-    want, got = module(xt), holder[0](xi)
+    want, got = reference(xt), holder[0](xi)
     # The same function: torch's op against a Python composition differs by float rounding only,
     # which x multiplies: measured <= 2.5 eps * max(|x|, 1) over 5 seeds and all classes.
     assert ((got - want).abs() <= 3 * torch.finfo(torch.float32).eps * x.abs().clamp_min(1)).all(), key
@@ -159,7 +161,7 @@ def test_include_exclude_shared_and_idempotent(caplog):
     with caplog.at_level(logging.INFO, logger="invact"):
         assert invact.patch(model, include=["1", "3", "5"]) == ["1", "3"]
     assert model[1] is model[3] and isinstance(model[1], invact.InvActGELU)  # still one shared module
-    assert isinstance(model[4], nn.SiLU)
+    assert type(model[4]) is nn.SiLU  # left alone (a patched SiLU is an nn.SiLU too: invact.identity)
     assert (
         "left 5 (torch.nn.modules.activation.ReLU) alone: ReLU's backward needs only its output"
         in caplog.text
@@ -177,7 +179,17 @@ def test_softplus_is_replaced_only_where_invact_reproduces_it():
     assert decisions["1"].replace
     assert not decisions["3"].replace and "reproduces beta=1 only" in decisions["3"].reason
     assert invact.patch(model) == ["1"]
-    assert isinstance(model[1], invact.InvActSoftplus) and isinstance(model[3], nn.Softplus)
+    assert isinstance(model[1], invact.InvActSoftplus) and type(model[3]) is nn.Softplus
+
+
+@pytest.mark.parametrize("attribute", ["activation", "mode"])
+def test_a_module_with_an_attribute_patching_would_overwrite_is_left_alone(attribute):
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    setattr(model[1], attribute, "its own")
+    (decision,) = invact.plan(model, norms=False)
+    assert not decision.replace and repr(attribute) in decision.reason
+    assert invact.patch(model) == [] and type(model[1]) is nn.GELU
+    assert getattr(model[1], attribute) == "its own"
 
 
 def test_half_precision_model_and_tanh_gelu_module():
