@@ -60,6 +60,15 @@ def _patched_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (InvAct, InvNorm, FusedMLP))}
 
 
+def _plain_and_patched(label: str) -> tuple[nn.Module, nn.Module]:
+    """The model of `label` from seed 0, and a patched deep copy of it."""
+    torch.manual_seed(0)
+    plain = _configs()[label]()
+    patched = copy.deepcopy(plain)
+    invact.patch(patched)
+    return plain, patched
+
+
 def _loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.train()
     ids = _ids()
@@ -151,10 +160,7 @@ def test_from_pretrained_patching_while_it_loads(label, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("label", MODELS)
 def test_hugging_faces_init_weights_reaches_patched_modules(label):
-    torch.manual_seed(0)
-    plain = _configs()[label]()
-    patched = copy.deepcopy(plain)
-    invact.patch(patched)
+    plain, patched = _plain_and_patched(label)
     for model in (plain, patched):
         with torch.no_grad():
             for p in model.parameters():
@@ -166,10 +172,7 @@ def test_hugging_faces_init_weights_reaches_patched_modules(label):
 
 @pytest.mark.parametrize("label", MODELS)
 def test_patched_modules_keep_class_name_and_keys(label):
-    torch.manual_seed(0)
-    plain = _configs()[label]()
-    patched = copy.deepcopy(plain)
-    invact.patch(patched)
+    plain, patched = _plain_and_patched(label)
     changed = _patched_modules(patched)
     assert changed
     for name, module in changed.items():
@@ -222,10 +225,7 @@ def test_fsdp2_wrap_policy_by_class_selects_and_shards_patched_modules(tmp_path)
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-    torch.manual_seed(0)
-    plain = _configs()["llama"]()
-    patched = copy.deepcopy(plain)
-    invact.patch(patched)
+    plain, patched = _plain_and_patched("llama")
     policy = ModuleWrapPolicy({LlamaDecoderLayer, LlamaRMSNorm})
 
     def selected(model: nn.Module) -> list[str]:
