@@ -23,10 +23,10 @@ as a model built again is (FSDP2's classes do the same).
 Chosen over a new module that holds the same parameters (invact's mechanism until then), which lost
 the original's identity: Hugging Face's `_init_weights` left an `InvNorm`'s weight uninitialized
 (garbage where the model was built on the meta device). Host time is the same: the patched class's
-forward is invact's, reached by the same attribute lookup (forward + backward of a patched nn.RMSNorm,
-nn.LayerNorm and nn.GELU on 4 x 16 inputs, one thread of an AMD EPYC Zen 4, medians of 7 rounds of
-500 calls, three alternations: 190-194, 173-176 and 86-89 us in place, 193-198, 176-180 and 84-87 us
-as new modules).
+forward is invact's, reached by the same attribute lookup (forward + backward of a patched
+nn.RMSNorm, nn.LayerNorm and torch activation module on 4 x 16 inputs, one thread of an AMD EPYC
+Zen 4, medians of 7 rounds of 500 calls, three alternations: 190-194, 173-176 and 86-89 us in place,
+193-198, 176-180 and 84-87 us as new modules).
 """
 
 from __future__ import annotations
