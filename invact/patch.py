@@ -27,6 +27,7 @@ from invact.activations import ACTIVATIONS
 from invact.callers import inplace_use
 from invact.gated import multiply, recompute_products
 from invact.identity import swap
+from invact.loss import head_of, take
 from invact.memory import parameter_storages
 from invact.mlp import fuse
 from invact.modules import InvAct
@@ -164,7 +165,8 @@ class Decision:
     # module save, and where g is half of a fused gate_up output, the half that copying u out frees.
     gated_bytes: int | None = None
     # "activation", or "norm": a normalization layer inverted by invact.norm (saves its output and rstd
-    # instead of its input); `reason` then names the formula it was checked to compute
+    # instead of its input); `reason` then names the formula it was checked to compute; or "loss": a
+    # causal LM's head whose loss is computed from hidden states (invact.loss)
     kind: str = "activation"
 
 
@@ -262,6 +264,7 @@ def plan(
     example_inputs=None,
     gated=True,
     norms: bool = True,
+    loss: bool = True,
 ):
     """What patch() would do: one Decision per activation-like module or activation function attribute
     (replaced or left alone, and why). Changes nothing.
@@ -288,7 +291,13 @@ def plan(
     `example_inputs` each norm is measured instead: replaced only where the bytes saved inside it
     (eager: x, its statistics, Hugging Face's fp32 copies) exceed what the inverted norm keeps (rstd,
     the 4-bit residuals of the variants that have them, and y itself where no later op saves it), and
-    nothing modifies its output in place; `saved_bytes` gives the difference."""
+    nothing modifies its output in place; `saved_bytes` gives the difference.
+
+    `loss`: also one Decision (kind "loss") for a causal LM's head (invact.loss.head_of: a Hugging Face
+    model whose loss is transformers' causal-LM loss and whose output embeddings are an nn.Linear),
+    named for the head: replaced means a training forward with labels computes the loss from the
+    hidden state and the head's weight a vocabulary block at a time (no logits kept, `logits=None` in
+    its output). include/exclude do not apply to it."""
     if mode not in ("bits", "precision_bit"):
         raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
@@ -320,11 +329,25 @@ def plan(
             if not any(fnmatch.fnmatchcase(n, p) for n in found):
                 example = f" (they look like {found[0]!r})" if found else " (the model has none)"
                 raise ValueError(f"{what} pattern {p!r} matches no activation's or norm's name{example}")
+    loss_decisions = _loss_decisions(model) if loss else []
     if example_inputs is not None:
         measured = _measured(model, decisions, example_inputs, mode, gated)
-        return measured + _measured_norms(model, norm_decisions, example_inputs)
+        return measured + _measured_norms(model, norm_decisions, example_inputs) + loss_decisions
     # statically: hook the parent of every replaced activation (harmless where it holds no product)
-    return (_hooking_parents(decisions) if gated else decisions) + norm_decisions
+    return (_hooking_parents(decisions) if gated else decisions) + norm_decisions + loss_decisions
+
+
+def _loss_decisions(model: nn.Module) -> list[Decision]:
+    """The loss's Decision for a model with a head (output embeddings), none for one without."""
+    name, why = head_of(model)
+    if name is not None:
+        return [Decision(name, _qualname(model.get_submodule(name)), True, why, kind="loss")]
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return []
+    found = next((n for n, m in model.named_modules() if m is head), "")
+    return [Decision(found, _qualname(head), False, why, kind="loss")]
 
 
 def _norm_decisions(model: nn.Module, include, exclude, static: bool) -> list[Decision]:
@@ -474,6 +497,7 @@ def patch(
     example_inputs=None,
     gated: bool = True,
     norms: bool = True,
+    loss: bool = True,
 ) -> list[str]:
     """Replace, in place, every activation that InvAct reproduces exactly and that saves memory; return
     their names. Arguments as for plan(); with `example_inputs` the saving is measured per activation
@@ -497,9 +521,16 @@ def patch(
     formula InvAct reproduces (RMSNorm, LayerNorm and their Hugging Face and timm variants, checked on
     a probe: see plan()) an invact.norm.InvNorm in place, which saves its output and rstd instead of
     its input. norms=False leaves every norm as it is (it does not undo an earlier
-    patch(norms=True): a model loaded again holds torch's norms)."""
+    patch(norms=True): a model loaded again holds torch's norms).
+
+    `loss` (default True): a causal LM (see plan()) called in training mode with labels and gradients
+    enabled computes its loss from the last hidden state and the head's weight, a vocabulary block at
+    a time (invact.loss): no (tokens x vocab) logits kept for backward or materialized whole, the
+    model's own loss semantics kept (label shift, ignore_index, num_items_in_batch, logits_to_keep,
+    softcapping and logit scales); its output's `logits` is then None. Inference, eval mode and calls
+    without labels are unchanged. loss=False leaves the head as it is."""
     decisions = plan(model, include=include, exclude=exclude, mode=mode, example_inputs=example_inputs,
-                     gated=gated, norms=norms)  # fmt: skip
+                     gated=gated, norms=norms, loss=loss)  # fmt: skip
     replaced = []
     which = {name: w for name, _, _, w, _ in _candidates(model)}
     for d in decisions:
@@ -510,7 +541,9 @@ def patch(
             raise ValueError("the model itself is an activation: wrap it or use invact's modules directly")
         parent, attr = _parent(model, d.name)
         old = getattr(parent, attr)
-        if d.kind == "norm":
+        if d.kind == "loss":
+            take(model, d.name)
+        elif d.kind == "norm":
             invert(old, match(old)[0])  # in place: a module shared by several parents once
         elif isinstance(old, InvAct):
             old.mode = mode

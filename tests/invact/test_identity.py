@@ -75,7 +75,7 @@ def _loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]
     torch.manual_seed(2)  # the same dropout masks for every model compared
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), [p.grad for p in model.parameters()]
+    return out.loss.detach(), [p.grad for p in model.parameters()]
 
 
 def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
@@ -107,12 +107,12 @@ def test_patch_inside_a_meta_device_context_materializes_as_unpatched(label):
     assert _patched_modules(patched), "nothing was patched on the meta device"
     _assert_same_state(patched, plain)
     # and trains exactly as the unpatched model patched once materialized: the same modules, the same
-    # decisions, bitwise the same logits and gradients
+    # decisions, bitwise the same loss and gradients
     later = copy.deepcopy(plain)
     invact.patch(later)
     assert list(_patched_modules(later)) == list(_patched_modules(patched))
-    (logits_a, grads_a), (logits_b, grads_b) = _loss_and_grads(patched), _loss_and_grads(later)
-    assert torch.equal(logits_a, logits_b)
+    (loss_a, grads_a), (loss_b, grads_b) = _loss_and_grads(patched), _loss_and_grads(later)
+    assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
 
 
@@ -206,14 +206,14 @@ def test_pickled_and_copied_models_stay_patched():
     torch.manual_seed(0)
     model = _configs()["llama"]()
     invact.patch(model)
-    logits, _ = _loss_and_grads(model)
+    loss, _ = _loss_and_grads(model)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     copies = (pickle.loads(pickle.dumps(model)), copy.deepcopy(model), torch.load(buffer, weights_only=False))
     for other in copies:
         assert list(_patched_modules(other)) == list(_patched_modules(model))
-        assert torch.equal(_loss_and_grads(other)[0], logits)
+        assert torch.equal(_loss_and_grads(other)[0], loss)
 
 
 def test_fsdp2_wrap_policy_by_class_selects_and_shards_patched_modules(tmp_path):
@@ -240,11 +240,11 @@ def test_fsdp2_wrap_policy_by_class_selects_and_shards_patched_modules(tmp_path)
         fully_shard(sharded)
         norms = [m for m in sharded.modules() if isinstance(m, LlamaRMSNorm)]
         assert norms and all(isinstance(m, InvNorm) for m in norms)
-        (logits_a, grads_a), (logits_b, grads_b) = _loss_and_grads(sharded), _loss_and_grads(patched)
+        (loss_a, grads_a), (loss_b, grads_b) = _loss_and_grads(sharded), _loss_and_grads(patched)
         grads_a = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads_a]
     finally:
         dist.destroy_process_group()
-    assert torch.equal(logits_a, logits_b)
+    assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
 
 

@@ -1,0 +1,423 @@
+"""A causal LM's loss from its last hidden state and its head's weight, a block of the vocabulary at a
+time: no (tokens x vocab) logits kept for backward, none materialized whole in forward or backward.
+
+Eager, a Hugging Face causal LM computes logits = lm_head(h) (tokens x vocab, in the model's dtype),
+upcasts them (an fp32 copy) and runs F.cross_entropy, whose log-softmax saves an fp32 (tokens x vocab)
+tensor: 4 bytes x vocab per token, the largest single tensor of a small model's training step. The
+head already keeps h, so the logits are one matmul away. Here:
+
+- forward, per vocabulary block (`block_columns`): z = transform(h @ W_b^T + b_b) in fp32; the
+  log-sum-exp of each row accumulates across blocks (torch.logaddexp), and so do the target's logit
+  and, with label smoothing, the row's sum of logits. Saved: h (the head's input, which the head
+  saves in eager too), the target and one fp32 log-sum-exp per row.
+- backward, per block again: z recomputed, p = exp(z - lse) (the softmax), minus (1 - eps) at the
+  target and eps / vocab everywhere, times the transform's derivative, gives d(h W_b^T + b_b); the
+  block's weight gradient is one matmul over all rows (rounded once, as eager's), the hidden's gradient
+  accumulates in fp32 across blocks.
+  One matmul more than eager's three; the elementwise passes over (tokens x vocab) are as many, on a
+  block at a time.
+
+`transform` is what the model applies between the head and the loss, recorded as it runs: scalar
+multiplications and divisions (Cohere's logit_scale, Granite's logits_scaling) and tanh (Gemma 2/3's
+final softcapping, c * tanh(z / c)), computed in fp32 (eager runs them in the model's dtype).
+
+How a model uses it (patch(model, loss=True), invact.patch): its head (an nn.Linear that
+`get_output_embeddings()` returns) is patched in place (invact.identity); while the model runs a
+training-mode forward with labels and gradients enabled, the head returns a `PendingLogits`: an object
+that is not a tensor, takes the model's scalings, tanh, `.float()` and `.view`, and computes the loss
+when the model's loss function hands it to F.cross_entropy (class indices, ignore_index, reduction
+"mean" or "sum", label smoothing), so the model's own code keeps its semantics: the label shift,
+ignore_index -100, num_items_in_batch, logits_to_keep. Anything else done to it computes the logits
+as the model would have (eager's tensor, on the autograd graph) and goes on with them. Such a call
+returns `logits=None`: the logits of a training step with labels are not kept (ask for them with
+patch(loss=False), or in eval mode or without labels, where nothing changes).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from invact.identity import swap
+
+log = logging.getLogger("invact")
+
+# Bytes of one block's fp32 (rows x columns) logits, per device type. The forward holds about two such
+# buffers at a time (the matmul's output and its fp32 copy), the backward about three (one more per
+# tanh of a softcapped head). On CPU, small blocks stay in cache: forward + backward of 512 rows,
+# hidden 128, vocab 128256 on 2 cores of an AMD EPYC Zen 4 took 0.70, 0.61, 0.59, 0.60, 0.87 and
+# 0.91 s (fp32) with 1, 2, 4, 8, 32 and 128 MiB blocks, against 0.61 s eager; bf16 0.28-0.32 s up to 8
+# MiB, 0.60 s at 128 MiB, against 0.52 s eager. On CUDA a block costs about ten kernel launches, so
+# blocks are larger there (not yet measured on a GPU): 64 MiB is 4096 columns at 4096 rows, still a
+# thirty-second of the fp32 logits eager keeps for a 128256-word vocabulary.
+BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
+# The narrowest block: below it the matmuls get thin (rows x hidden x columns) and the per-block Python
+# overhead grows.
+MIN_COLUMNS = 256
+
+
+def block_columns(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary columns per block for `rows` rows on `device`: BLOCK_BYTES of fp32 logits (CUDA's
+    figure on other accelerators), at least MIN_COLUMNS, at most the vocabulary."""
+    budget = BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"])
+    return min(vocab, max(MIN_COLUMNS, budget // (4 * max(rows, 1))))
+
+
+def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
+    """z = ops applied to pre, in fp32 (a new tensor), and the derivative's factors: the product of
+    the scalars and, when keep, each tanh's output (each contributes 1 - t^2)."""
+    z = pre.float() if pre.dtype != torch.float32 else pre.clone()
+    scale, tanhs = 1.0, []
+    for op in ops:
+        if op[0] == "mul":
+            z.mul_(op[1])
+            scale *= op[1]
+        elif op[0] == "div":  # divided, not multiplied by the reciprocal: the model's own rounding
+            z.div_(op[1])
+            scale /= op[1]
+        else:  # "tanh"
+            z.tanh_()
+            if keep:
+                tanhs.append(z.clone())
+    return z, scale, tanhs
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows r with target[r] != ignore_index of cross_entropy(transform(hidden W^T + bias)),
+    fp32, computed a vocabulary block at a time (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing):
+        vocab = weight.shape[0]
+        rows = None
+        if not hidden.is_meta:  # only rows that count (meta tensors hold no values: every row counts)
+            valid = target != ignore_index
+            if not bool(valid.all()):
+                rows = valid.nonzero().squeeze(1)
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        t = target if rows is None else target.index_select(0, rows)
+        n = h.shape[0]
+        lse = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
+        picked = torch.zeros(n, dtype=torch.float32, device=h.device)
+        total = torch.zeros(n, dtype=torch.float32, device=h.device) if smoothing else None
+        step = block_columns(n, vocab, h.device)
+        for start in range(0, vocab, step):
+            stop = min(start + step, vocab)
+            pre = F.linear(h, weight[start:stop], None if bias is None else bias[start:stop])
+            z, _, _ = _transformed(pre, ops, keep=False)
+            del pre
+            lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
+            inside = (t >= start) & (t < stop)
+            at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
+            picked += torch.where(inside, z.gather(1, at).squeeze(1), 0.0)
+            if total is not None:
+                total += z.sum(dim=1)
+        loss = (lse - picked).sum()
+        if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
+            loss = (1 - smoothing) * loss + smoothing * (lse - total / vocab).sum()
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.rows, ctx.ops, ctx.ignore_index, ctx.smoothing = rows, ops, ignore_index, smoothing
+        ctx.pre_dtype = torch.result_type(h, weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        rows, ops, smoothing = ctx.rows, ctx.ops, ctx.smoothing
+        vocab = weight.shape[0]
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        t = target if rows is None else target.index_select(0, rows)
+        n = h.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dw = torch.empty_like(weight) if need_w else None
+        db = torch.empty_like(bias) if need_b else None
+        # fp32 accumulator across blocks: each block's product is rounded once, the sum is not
+        dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+        lse = lse.unsqueeze(1)
+        step = block_columns(n, vocab, h.device)
+        for start in range(0, vocab, step):
+            stop = min(start + step, vocab)
+            w = weight[start:stop]
+            pre = F.linear(h, w, None if bias is None else bias[start:stop])
+            p, scale, tanhs = _transformed(pre, ops, keep=True)
+            del pre
+            p.sub_(lse).exp_()  # softmax of the transformed logits
+            inside = ((t >= start) & (t < stop)).to(p.dtype)
+            at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
+            p.scatter_add_(1, at, inside.mul_(-(1 - smoothing)).unsqueeze(1))
+            if smoothing:
+                p.sub_(smoothing / vocab)
+            for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
+                p.mul_(th.square_().neg_().add_(1))
+            del tanhs
+            p.mul_(grad * scale)
+            d = p.to(ctx.pre_dtype)
+            if need_w:
+                dw[start:stop] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
+            if need_b:
+                db[start:stop] = p.sum(dim=0).to(db.dtype)
+            if need_h:
+                _accumulate(dh, p, d, w)
+            del p, d
+        dhidden = None
+        if need_h:
+            dh = dh.to(hidden.dtype)
+            if rows is None:
+                dhidden = dh
+            else:
+                dhidden = torch.zeros_like(hidden).index_copy_(0, rows, dh)
+        return dhidden, dw, db, None, None, None, None
+
+
+def _accumulate(dh: torch.Tensor, p: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> None:
+    """dh += d @ w with an fp32 result, d the block's gradient in the matmul dtype (p in fp32). A 16-bit
+    product rounded to 16 bits per block before the sum would add one rounding per block (measured:
+    215 blocks of a bf16 (96 x 32) hidden gradient drifted 3% farther from float64 than eager's): CUDA
+    multiplies in 16 bits into fp32 (torch.mm's out_dtype); other devices have no such kernel (CPU:
+    NotImplementedError in torch 2.13) and multiply p by w in fp32."""
+    if d.dtype == torch.float32:
+        dh.addmm_(d, w.to(d.dtype))
+    elif dh.is_cuda:
+        dh += torch.mm(d, w.to(d.dtype), out_dtype=torch.float32)
+    else:
+        dh.addmm_(p, w.float())
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ops: tuple = (),
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """F.cross_entropy(transform(F.linear(hidden, weight, bias)).float(), target, ...) without the
+    logits: hidden (rows, in) or (..., in), weight (vocab, in), bias (vocab,) or None, target class
+    indices (rows,) or (...); `ops` the transform, a tuple of ("mul", float), ("div", float) and
+    ("tanh",) applied in order. reduction "mean" (over rows whose target is not ignore_index, as
+    F.cross_entropy: nan if there are none) or "sum". Returns an fp32 scalar. Gradients reach hidden,
+    weight and bias."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    target = target.reshape(-1)
+    if target.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{target.shape[0]} targets for {hidden.shape[0]} rows of hidden states")
+    loss = _LinearCrossEntropy.apply(hidden, weight, bias, target, tuple(ops), ignore_index,
+                                     float(label_smoothing))  # fmt: skip
+    if reduction == "mean":
+        loss = loss / (target != ignore_index).sum()
+    return loss
+
+
+class PendingLogits:
+    """The logits a patched head would return, not computed: the head's input, weight and bias, the
+    transform the model applies to them, and the shape and dtype the logits would have. F.cross_entropy
+    on it computes the loss with linear_cross_entropy; the model's scalings, tanh, `.float()` and
+    views are recorded; anything else computes the logits (`logits()`) and goes on with them."""
+
+    def __init__(self, hidden, weight, bias, ops=(), dtype=None, shape=None):
+        self.hidden, self.weight, self.bias, self.ops = hidden, weight, bias, ops
+        self.dtype = dtype or torch.result_type(hidden, weight)
+        self.shape = torch.Size(shape or (*hidden.shape[:-1], weight.shape[0]))
+        self._upcast = self.dtype != torch.result_type(hidden, weight)
+
+    device = property(lambda self: self.hidden.device)
+    ndim = property(lambda self: len(self.shape))
+    requires_grad = property(lambda self: True)
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self):
+        return len(self.shape)
+
+    def _with(self, **changes):
+        state = {"ops": self.ops, "dtype": self.dtype, "shape": self.shape} | changes
+        return PendingLogits(self.hidden, self.weight, self.bias, **state)
+
+    def logits(self) -> torch.Tensor:
+        """The logits as the model would have computed them (on the autograd graph)."""
+        log.info("invact: a patched head's logits were used by something other than the loss: computed")
+        z = F.linear(self.hidden, self.weight, self.bias)
+        for op in self.ops:
+            z = z * op[1] if op[0] == "mul" else z / op[1] if op[0] == "div" else torch.tanh(z)
+        return z.to(self.dtype).reshape(self.shape)
+
+    # What the models do between the head and the loss.
+    def __truediv__(self, other):
+        if isinstance(other, (int, float)) and not isinstance(other, bool) and other != 0:
+            return self._with(ops=(*self.ops, ("div", float(other))))
+        return self.logits() / other
+
+    def __mul__(self, other):
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return self._with(ops=(*self.ops, ("mul", float(other))))
+        return self.logits() * other
+
+    __rmul__ = __mul__
+
+    def float(self):
+        return self._with(dtype=torch.float32)
+
+    def to(self, *args, **kwargs):
+        dtype = kwargs.get("dtype", args[0] if args and isinstance(args[0], torch.dtype) else None)
+        if dtype == torch.float32 and len(args) + len(kwargs) == 1:
+            return self.float()
+        return self.logits().to(*args, **kwargs)
+
+    def contiguous(self):
+        return self
+
+    def view(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+        shape = list(shape)
+        if shape and shape[-1] in (-1, self.shape[-1]) and shape.count(-1) <= 1:
+            rows = math.prod(self.shape[:-1])
+            known = math.prod(s for s in shape[:-1] if s != -1)
+            if -1 in shape[:-1]:
+                shape[shape.index(-1)] = rows // max(known, 1)
+            shape[-1] = self.shape[-1]
+            if math.prod(shape) == math.prod(self.shape):
+                return self._with(shape=tuple(shape))
+        return self.logits().view(*shape)
+
+    reshape = view
+
+    def __getattr__(self, name):  # any other tensor attribute: on the computed logits
+        if name.startswith("__") or name in ("hidden", "weight", "bias", "ops"):
+            raise AttributeError(name)
+        return getattr(self.logits(), name)
+
+    def __getitem__(self, index):
+        return self.logits()[index]
+
+    def __repr__(self) -> str:
+        return f"PendingLogits(shape={tuple(self.shape)}, dtype={self.dtype}, ops={self.ops})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tanh and len(args) == 1 and not kwargs and isinstance(args[0], cls):
+            return args[0]._with(ops=(*args[0].ops, ("tanh",)))
+        if func is F.cross_entropy and isinstance(args[0], cls):
+            loss = _cross_entropy(*args, **kwargs)
+            if loss is not None:
+                return loss
+        real = lambda v: v.logits() if isinstance(v, cls) else v  # noqa: E731
+        return func(*[real(a) for a in args], **{k: real(v) for k, v in kwargs.items()})
+
+
+_CE_PARAMETERS = inspect.signature(F.cross_entropy).parameters
+
+
+def _cross_entropy(*args, **kwargs):
+    """F.cross_entropy(pending, target, ...) by linear_cross_entropy, or None where it does not apply
+    (class weights, probabilities as targets, reduction "none", logits not (rows, vocab))."""
+    bound = inspect.Signature(list(_CE_PARAMETERS.values())).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    pending, target = a["input"], a["target"]
+    if (
+        a["weight"] is not None
+        or a["size_average"] is not None
+        or a["reduce"] is not None
+        or a["reduction"] not in ("mean", "sum")
+        or pending.ndim != 2
+        or not isinstance(target, torch.Tensor)
+        or target.dtype != torch.long
+        or target.shape != pending.shape[:1]
+    ):
+        return None
+    hidden = pending.hidden.reshape(-1, pending.hidden.shape[-1])
+    return linear_cross_entropy(hidden, pending.weight, target, pending.bias, ops=pending.ops,
+                                ignore_index=a["ignore_index"], reduction=a["reduction"],
+                                label_smoothing=a["label_smoothing"])  # fmt: skip
+
+
+class LossHead(nn.Module):
+    """The mixin of a patched head (invact.identity): while `_invact_armed` (a training forward of its
+    model with labels), its forward returns PendingLogits instead of computing the logits."""
+
+    _invact_armed = 0
+
+    def forward(self, input):  # noqa: A002 - nn.Linear's argument name
+        if self._invact_armed and torch.is_grad_enabled():
+            return PendingLogits(input, self.weight, self.bias)
+        return super().forward(input)
+
+    def invact_repr(self) -> str:
+        return "loss from hidden states"
+
+
+def head_of(model: nn.Module) -> tuple[str | None, str]:
+    """(the qualified name of the head whose loss patch() computes from hidden states, why) or (None,
+    why not). Taken by structure: a Hugging Face model whose forward takes labels, whose loss function
+    is transformers' causal-LM loss, and whose output embeddings are an nn.Linear."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return None, "the model has no output embeddings (get_output_embeddings)"
+    if type(head) is not nn.Linear and not isinstance(head, LossHead):
+        return None, f"its head is a {type(head).__name__}, not an nn.Linear"
+    if "labels" not in inspect.signature(model.forward).parameters:
+        return None, "its forward takes no labels"
+    if getattr(model, "loss_type", None) != "ForCausalLM" or "_loss_function" in vars(model):
+        return None, "its loss is not transformers' causal-LM loss"
+    name = next(n for n, m in model.named_modules() if m is head)
+    return name, ("the loss is computed from the hidden state and the head's weight a vocabulary block "
+                  "at a time: no (tokens x vocab) logits kept")  # fmt: skip
+
+
+def _labels(model: nn.Module, args: tuple, kwargs: dict):
+    if "labels" in kwargs:
+        return kwargs["labels"]
+    names = [p for p in inspect.signature(model.forward).parameters]
+    at = names.index("labels") if "labels" in names else len(args)
+    return args[at] if at < len(args) else None
+
+
+def _arm(model, args, kwargs):
+    head = model.get_output_embeddings()
+    armed = model.training and torch.is_grad_enabled() and _labels(model, args, kwargs) is not None
+    armed = armed and isinstance(head, LossHead)
+    if armed:
+        head._invact_armed += 1
+    model._invact_arms = [*getattr(model, "_invact_arms", []), (head, armed)]
+
+
+def _disarm(model, args, kwargs, output):
+    head, armed = model._invact_arms.pop()
+    if not armed:
+        return output
+    head._invact_armed -= 1
+    if isinstance(output, tuple):
+        return tuple(None if isinstance(v, PendingLogits) else v for v in output)
+    if isinstance(getattr(output, "logits", None), PendingLogits):
+        if isinstance(output, dict) and "logits" in output:  # a ModelOutput: as if built with logits=None
+            (OrderedDict if isinstance(output, OrderedDict) else dict).__delitem__(output, "logits")
+        object.__setattr__(output, "logits", None)
+    return output
+
+
+def take(model: nn.Module, name: str) -> None:
+    """Patch the head `name` of `model` (head_of's) in place, and hook the model so that a training
+    forward with labels computes its loss from hidden states. Idempotent."""
+    head = model.get_submodule(name)
+    if isinstance(head, LossHead) and getattr(model, "_invact_loss_hooked", False):
+        return
+    swap(head, LossHead)
+    model.register_forward_pre_hook(_arm, with_kwargs=True)
+    model.register_forward_hook(_disarm, with_kwargs=True, always_call=True)
+    model._invact_loss_hooked = True

@@ -1,0 +1,341 @@
+"""invact.loss: a causal LM's loss from hidden states, against float64 and eager, and inside Hugging Face
+models (the model's own semantics: shift, ignore_index, num_items_in_batch, logits_to_keep, tied and
+biased heads, softcapping, logit scales, the Trainer)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import invact
+import invact.loss as L
+
+# Unit roundoff of fp32 (2^-24).
+U32 = 2.0**-24
+
+
+def _gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of a sum or dot product of n
+    terms in fp32 (Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1)."""
+    return n * U32 / (1 - n * U32)
+
+
+def _fp32_bound(rows: int, hidden: int, vocab: int) -> float:
+    """Relative error (in norm) allowed against float64 for fp32 inputs: every loss and gradient term
+    goes through at most one dot product over the hidden size (the logits), one sum over the vocabulary
+    (the log-sum-exp) and one over the rows (the weight's and bias's gradients, the mean), so gamma of
+    their total length bounds each term's relative error (the softmax and tanh add a few u, within)."""
+    return _gamma(hidden + vocab + rows)
+
+
+# The transforms models apply between head and loss: none (Llama), a scale (Cohere's logit_scale,
+# Granite's 1 / logits_scaling), Gemma 2's final softcapping c * tanh(z / c) with c = 30.
+TRANSFORMS = {
+    "none": (),
+    "scale": (("mul", 0.0625),),
+    "softcap": (("div", 30.0), ("tanh",), ("mul", 30.0)),
+}
+ROWS, HIDDEN, VOCAB = 96, 32, 1500
+
+
+def _eager(h, w, b, t, ops, smoothing, reduction, upcast=True):
+    z = F.linear(h, w, b)
+    for op in ops:
+        z = z * op[1] if op[0] == "mul" else z / op[1] if op[0] == "div" else torch.tanh(z)
+    return F.cross_entropy(z.float() if upcast else z, t, label_smoothing=smoothing, reduction=reduction)
+
+
+def _case(seed: int, ignored: int = 17, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(ROWS, HIDDEN, generator=g, dtype=torch.float64) * scale
+    w = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64) * 0.5
+    b = torch.randn(VOCAB, generator=g, dtype=torch.float64)
+    t = torch.randint(0, VOCAB, (ROWS,), generator=g)
+    t[:ignored] = -100
+    return h, w, b, t
+
+
+def _run(fn, tensors, dtype):
+    leaves = [x.detach().to(dtype).clone().requires_grad_() if x is not None else None for x in tensors]
+    loss = fn(*leaves)
+    loss.backward()
+    return loss.detach().double(), [x.grad.double() for x in leaves if x is not None]
+
+
+def _errors(got, want):
+    (gl, gg), (wl, wg) = got, want
+    return [abs(gl - wl).item() / max(abs(wl).item(), 1e-30)] + [
+        ((a - b).norm() / b.norm()).item() for a, b in zip(gg, wg, strict=True)
+    ]
+
+
+@pytest.fixture(params=["one block", "many blocks"])
+def blocks(request, monkeypatch):
+    if request.param == "many blocks":  # 7 columns of 96 rows per block: 215 blocks, the last partial
+        monkeypatch.setattr(L, "BLOCK_BYTES", {"cpu": 7 * 4 * ROWS, "cuda": 7 * 4 * ROWS})
+        monkeypatch.setattr(L, "MIN_COLUMNS", 1)
+    return request.param
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fp32_within_the_derived_bound_of_float64(blocks, transform, smoothing, bias, reduction):
+    h, w, b, t = _case(0)
+    ops = TRANSFORMS[transform]
+    tensors = (h, w, b if bias else None)
+    want = _run(lambda h, w, b: _eager(h, w, b, t, ops, smoothing, reduction), tensors, torch.float64)
+    got = _run(
+        lambda h, w, b: L.linear_cross_entropy(
+            h, w, t, b, ops=ops, label_smoothing=smoothing, reduction=reduction
+        ),
+        tensors,
+        torch.float32,
+    )
+    bound = _fp32_bound(ROWS, HIDDEN, VOCAB)
+    errors = _errors(got, want)
+    assert max(errors) <= bound, (errors, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_16bit_no_farther_from_float64_than_eager(blocks, transform, dtype, seed):
+    # Eager upcasts the 16-bit logits to fp32 before the loss (Hugging Face's ForCausalLMLoss): the same
+    # 16-bit matmul, then fp32. Both then round in fp32 in different orders, so ours may differ from
+    # eager's distance by the fp32 bound (relative to the reference), no more.
+    h, w, b, t = _case(seed)
+    ops = TRANSFORMS[transform]
+    tensors = (h, w, b)
+    want = _run(lambda h, w, b: _eager(h, w, b, t, ops, 0.0, "mean"), tensors, torch.float64)
+    eager = _errors(_run(lambda h, w, b: _eager(h, w, b, t, ops, 0.0, "mean"), tensors, dtype), want)
+    ours = _errors(_run(lambda h, w, b: L.linear_cross_entropy(h, w, t, b, ops=ops), tensors, dtype), want)
+    slack = _fp32_bound(ROWS, HIDDEN, VOCAB)
+    assert all(o <= e + slack for o, e in zip(ours, eager, strict=True)), (ours, eager)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_all_targets_ignored_behaves_as_eager(blocks, reduction):
+    h, w, b, t = _case(0, ignored=ROWS)
+    want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, reduction), (h, w, b), torch.float32)
+    got = _run(
+        lambda h, w, b: L.linear_cross_entropy(h, w, t, b, reduction=reduction), (h, w, b), torch.float32
+    )
+    # mean: 0 / 0 = nan, as eager; sum: 0; gradients zero (nan times zero where eager's mean is nan)
+    assert torch.equal(got[0].isnan(), want[0].isnan()) and (got[0].isnan() or got[0] == want[0] == 0)
+    for a, e in zip(got[1], want[1], strict=True):
+        assert torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num())
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_large_finite_inputs_give_finite_loss_and_gradients(blocks, transform):
+    # Logits up to about 1e4 (hidden 300 times the usual scale): exp overflows fp32 beyond 88.7, so a
+    # naive softmax would not be finite; the log-sum-exp is.
+    h, w, b, t = _case(0, scale=300.0)
+    loss, grads = _run(lambda h, w, b: L.linear_cross_entropy(h, w, t, b, ops=TRANSFORMS[transform]),
+                       (h, w, b), torch.float32)  # fmt: skip
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_bad_arguments_are_one_line_errors():
+    h, w, _, t = _case(0)
+    with pytest.raises(ValueError, match="reduction"):
+        L.linear_cross_entropy(h, w, t, reduction="none")
+    with pytest.raises(ValueError, match="targets for"):
+        L.linear_cross_entropy(h, w, t[:-1])
+    with pytest.raises(ValueError, match="label_smoothing"):
+        L.linear_cross_entropy(h, w, t, label_smoothing=1.5)
+
+
+def test_saves_no_vocabulary_sized_tensor():
+    h, w, _, t = _case(0)
+    h, w = h.float().requires_grad_(), w.float().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        L.linear_cross_entropy(h, w, t)
+    others = [x for x in saved if x.untyped_storage().data_ptr() not in (h.data_ptr(), w.data_ptr())]
+    # besides the inputs: the targets and one fp32 log-sum-exp per row, nothing of rows x vocab
+    assert sum(x.untyped_storage().nbytes() for x in others) <= ROWS * (8 + 4)
+
+
+# -- Inside Hugging Face models --------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+
+
+def _models():
+    """label -> a tiny causal LM of each head/loss arrangement Hugging Face models use."""
+    T = transformers
+    kv = dict(num_key_value_heads=2)
+    return {
+        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**SIZES, **kv)),
+        "llama tied": lambda: T.LlamaForCausalLM(T.LlamaConfig(**SIZES, **kv, tie_word_embeddings=True)),
+        "gemma2 softcap": lambda: T.Gemma2ForCausalLM(
+            T.Gemma2Config(**SIZES, **kv, head_dim=8, final_logit_softcapping=30.0)
+        ),
+        "cohere logit_scale": lambda: T.CohereForCausalLM(T.CohereConfig(**SIZES, **kv, logit_scale=0.0625)),
+        "granite logits_scaling": lambda: T.GraniteForCausalLM(
+            T.GraniteConfig(**SIZES, **kv, logits_scaling=8.0)
+        ),
+        "phi head bias": lambda: T.PhiForCausalLM(T.PhiConfig(**SIZES)),
+    }
+
+
+def _pair(label):
+    torch.manual_seed(0)
+    plain = _models()[label]().float().train()
+    patched = copy.deepcopy(plain)
+    invact.patch(patched, norms=False, exclude="*")  # activations and norms: their own tests; the loss alone
+    return plain, patched
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SIZES["vocab_size"], (3, 16), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt
+    labels[2] = -100  # a row whose labels are all ignored
+    return ids, labels
+
+
+def _step(model, **kwargs):
+    model.zero_grad()
+    out = model(**kwargs)
+    out.loss.backward()
+    return (
+        out,
+        out.loss.detach().double(),
+        [p.grad.double() for p in model.parameters() if p.grad is not None],
+    )
+
+
+# The tiny models' fp32 bound: the head's dot products over hidden 32, the loss's sums over the vocabulary
+# (1000) and the 48 rows; the layers below add their own fp32 rounding, the same in both models.
+HF_BOUND = _fp32_bound(48, 32, 1000)
+
+
+@pytest.mark.parametrize("label", sorted(_models()))
+@pytest.mark.parametrize("items", [None, 29], ids=["mean", "num_items_in_batch"])
+def test_patched_model_loss_and_gradients_match_eager(label, items):
+    plain, patched = _pair(label)
+    assert any(d.kind == "loss" and d.replace for d in invact.plan(patched))
+    ids, labels = _inputs()
+    extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+    want_out, want_loss, want_grads = _step(plain, input_ids=ids, labels=labels, **extra)
+    out, loss, grads = _step(patched, input_ids=ids, labels=labels, **extra)
+    assert out.logits is None and "logits" not in out.keys()  # the contract: no logits kept
+    assert want_out.logits is not None
+    assert abs(loss - want_loss) <= HF_BOUND * abs(want_loss)
+    assert len(grads) == len(want_grads)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert (g - w).norm() <= HF_BOUND * w.norm() + 1e-30
+
+
+def test_shift_labels_and_logits_to_keep_are_the_models_own():
+    plain, patched = _pair("llama")
+    ids, labels = _inputs()
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    for kwargs in ({"shift_labels": shifted}, {"logits_to_keep": 16}):
+        _, want, _ = _step(plain, input_ids=ids, labels=labels, **kwargs)
+        _, got, _ = _step(patched, input_ids=ids, labels=labels, **kwargs)
+        assert abs(got - want) <= HF_BOUND * abs(want)
+
+
+@pytest.mark.parametrize("label", sorted(_models()))
+def test_inference_eval_and_calls_without_labels_are_unchanged(label):
+    plain, patched = _pair(label)
+    ids, labels = _inputs()
+    assert torch.equal(patched(input_ids=ids).logits, plain(input_ids=ids).logits)  # training, no labels
+    with torch.no_grad():  # no gradients: the logits, as eager
+        assert torch.equal(
+            patched(input_ids=ids, labels=labels).logits, plain(input_ids=ids, labels=labels).logits
+        )
+    plain.eval(), patched.eval()
+    a, b = patched(input_ids=ids, labels=labels), plain(input_ids=ids, labels=labels)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+
+
+def test_the_step_saves_no_fp32_logits():
+    plain, patched = _pair("llama")
+    ids, labels = _inputs()
+    eager = invact.memory.saved_tensors(plain, input_ids=ids, labels=labels)
+    ours = invact.memory.saved_tensors(patched, input_ids=ids, labels=labels)
+    fp32_logits = ids.numel() * SIZES["vocab_size"] * 4
+    # ours keeps per row at most one fp32 log-sum-exp and an int64 index of the rows that count
+    assert eager.saved_bytes - ours.saved_bytes >= fp32_logits - ids.numel() * (4 + 8)
+
+
+def test_logits_used_otherwise_are_computed_as_the_model_would():
+    _, patched = _pair("gemma2 softcap")
+    head = patched.get_output_embeddings()
+    h = torch.randn(2, 5, SIZES["hidden_size"])
+    head._invact_armed = 1
+    try:
+        pending = torch.tanh(head(h) / 30.0) * 30.0
+    finally:
+        head._invact_armed = 0
+    assert isinstance(pending, L.PendingLogits) and pending.shape == (2, 5, SIZES["vocab_size"])
+    want = torch.tanh(F.linear(h, head.weight) / 30.0) * 30.0
+    assert torch.equal(pending.argmax(-1), want.argmax(-1))  # a tensor method: on the computed logits
+    assert torch.equal(pending[0], want[0])
+
+
+def test_plan_names_the_head_and_loss_false_leaves_it():
+    plain, _ = _pair("llama")
+    decisions = [d for d in invact.plan(plain) if d.kind == "loss"]
+    assert [(d.name, d.replace) for d in decisions] == [("lm_head", True)]
+    assert not [d for d in invact.plan(plain, loss=False) if d.kind == "loss"]
+    names = invact.patch(plain, norms=False, loss=False)
+    assert "lm_head" not in names and type(plain.lm_head) is torch.nn.Linear
+    base = transformers.LlamaModel(transformers.LlamaConfig(**SIZES, num_key_value_heads=2))
+    assert not [d for d in invact.plan(base) if d.kind == "loss"]  # no head
+
+
+def test_a_model_with_a_custom_loss_function_is_left_alone_with_the_reason():
+    plain, _ = _pair("llama")
+    plain.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().mean()
+    (d,) = [d for d in invact.plan(plain) if d.kind == "loss"]
+    assert not d.replace and "causal-LM loss" in d.reason
+
+
+def test_copies_and_pickles_keep_the_loss_path():
+    _, patched = _pair("llama")
+    ids, labels = _inputs()
+    _, want, _ = _step(patched, input_ids=ids, labels=labels)
+    for other in (copy.deepcopy(patched), __import__("pickle").loads(__import__("pickle").dumps(patched))):
+        out, got, _ = _step(other, input_ids=ids, labels=labels)
+        assert out.logits is None and got == want
+
+
+@pytest.mark.slow
+def test_hf_trainer_step_matches_eager(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            ids, labels = _inputs()
+            return {"input_ids": ids[i % 3], "labels": labels[i % 3]}
+
+    losses = {}
+    for name, model in zip(("eager", "patched"), _pair("llama"), strict=True):
+        seen = []
+        model.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.loss.detach().double()))
+        args = TrainingArguments(output_dir=str(tmp_path / name), use_cpu=True, report_to=[],
+                                 save_strategy="no", max_steps=1, per_device_train_batch_size=6,
+                                 learning_rate=0.1, optim="sgd", disable_tqdm=True, seed=0)  # fmt: skip
+        Trainer(model=model, args=args, train_dataset=Rows()).train()
+        losses[name] = seen[0]
+    assert math.isfinite(losses["patched"]) and abs(losses["patched"] - losses["eager"]) <= HF_BOUND * abs(
+        losses["eager"]
+    )
