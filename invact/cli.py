@@ -17,16 +17,22 @@ ERROR_STATUS = 2  # bad input, as argparse's own usage errors
 _PLAN_DESCRIPTION = """\
 Build the model a Hugging Face config JSON describes (its causal-LM class, else its base model) on
 the meta device, with shapes only: no weights, nothing allocated, nothing downloaded. Run one
-training-mode forward of input_ids (batch, seq) (use_cache off, no labels, no loss) under invact's
-saved-tensor counter, once eager and once after invact.patch(model), and print what each saves for
-backward, per kind of module and in total, with patch()'s decisions."""
+training-mode forward of input_ids (batch, seq) (use_cache off; a causal LM also gets labels =
+input_ids, so its loss is computed as in a training step) under invact's saved-tensor counter, once
+eager and once after invact.patch(model), and print what each saves for backward, per kind of module
+and in total, with patch()'s decisions."""
 
 _PLAN_EPILOG = """\
 What the figures are: bytes autograd saves for backward in one training forward, what a real forward
 of these shapes keeps for the backward pass, each storage once (a tensor saved by an activation and
 by the next Linear counts once), the model's parameters and buffers excluded. Not in them: the
-forward's output (the logits, batch x seq x vocab, held until the loss is computed; printed
-separately), gradients, optimizer state, and what backward allocates.
+forward's output (eager: the logits, batch x seq x vocab, and the loss; printed separately),
+gradients, optimizer state, and what backward allocates.
+Head and loss: what the output head (lm_head) and the model's loss save. Eager, Hugging Face's loss
+upcasts the logits and its log-softmax saves an fp32 (tokens x vocab) tensor; patch() computes the
+loss from the hidden state and the head's weight a vocabulary block at a time (invact.loss), keeping
+per token one fp32 log-sum-exp, the target and an index. --no-labels runs the forward without labels
+(no loss); --no-loss plans patch(loss=False).
 
 Kinds: each saved storage counts where it was first saved (the innermost module running then), an
 activation's output with the activation wherever it is saved, and a gated product act(g) * u, what a
@@ -92,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-norms", dest="norms", action="store_false",
                       help="patch(norms=False): leave RMSNorm and LayerNorm as they are (default: inverted, "
                            "patch()'s default)")  # fmt: skip
+    plan.add_argument("--no-labels", dest="labels", action="store_false",
+                      help="run the forward without labels, so no loss (default: labels = input_ids for a "
+                           "model whose forward takes labels)")  # fmt: skip
+    plan.add_argument("--no-loss", dest="loss", action="store_false",
+                      help="patch(loss=False): keep the head and Hugging Face's loss as they are (default: "
+                           "the loss from hidden states, patch()'s default)")  # fmt: skip
     plan.add_argument("--json", action="store_true",
                       help="print one JSON object (eager_saved_bytes, patched_saved_bytes, kinds, "
                            "decisions, config, batch, seq, dtype, ...) instead of the table")  # fmt: skip
@@ -127,9 +139,11 @@ def _decision_lines(decisions: list[dict]) -> list[str]:
         groups[key] = groups.get(key, 0) + 1
     replaced = sum(1 for d in decisions if d["replace"])
     norms = sum(1 for d in decisions if d.get("kind") == "norm" and d["replace"])
-    replaced -= norms
+    losses = sum(1 for d in decisions if d.get("kind") == "loss" and d["replace"])
+    replaced -= norms + losses
     left = sum(1 for d in decisions if not d["replace"])
-    lines = [f"patch(): {replaced} activation(s) and {norms} norm(s) replaced, {left} left alone"]
+    loss = ", the loss from hidden states" if losses else ""
+    lines = [f"patch(): {replaced} activation(s) and {norms} norm(s) replaced{loss}, {left} left alone"]
     for (replace, name, cls, reason, gated), count in groups.items():
         times = f" (x{count})" if count > 1 else ""
         verb = "replaced" if replace else "left alone"
@@ -150,7 +164,8 @@ def format_plan(result: dict) -> str:
     used = attention["implementation"] + (f" ({kernels} kernel)" if kernels else "")
     lines = [
         f"invact plan: {result['model_class']} from {source}",
-        f"batch {result['batch']} x seq {result['seq']}, {result['dtype']}, one training forward; "
+        f"batch {result['batch']} x seq {result['seq']}, {result['dtype']}, one training forward"
+        f"{' with labels (the loss)' if result['labels'] else ', no labels'}; "
         f"attention: {used}",
         "",
         f"saved for backward: eager {_bytes(eager)} -> patch() {_bytes(patched)}: "
@@ -170,7 +185,8 @@ def format_plan(result: dict) -> str:
         lines.append("  ".join(cells))
     lines += [
         "",
-        f"not counted: the output (logits, held until the loss) {_bytes(result['output_bytes'])}; "
+        f"not counted: the output (eager's logits{', loss' if result['labels'] else ''}) "
+        f"{_bytes(result['output_bytes'])}, after patch() {_bytes(result['patched_output_bytes'])}; "
         f"parameters and buffers {_bytes(result['parameter_bytes'])}",
         "",
         *_decision_lines(result["decisions"]),
@@ -194,9 +210,8 @@ def _plan(args) -> int:
     from invact.planner import plan_memory
 
     try:
-        result = plan_memory(
-            args.config, args.batch, args.seq, args.dtype, gated=args.gated, norms=args.norms
-        )
+        result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
+                             norms=args.norms, loss=args.loss, labels=args.labels)  # fmt: skip
     except PlanError as e:
         _fail("invact plan", str(e))
     if args.json:

@@ -9,7 +9,8 @@ head already keeps h, so the logits are one matmul away. Here:
 - forward, per vocabulary block (`block_columns`): z = transform(h @ W_b^T + b_b) in fp32; the
   log-sum-exp of each row accumulates across blocks (torch.logaddexp), and so do the target's logit
   and, with label smoothing, the row's sum of logits. Saved: h (the head's input, which the head
-  saves in eager too), the target and one fp32 log-sum-exp per row.
+  saves in eager too), the target, one fp32 log-sum-exp per row that counts (target not ignore_index)
+  and, where some rows do not count, the int64 indices of those that do.
 - backward, per block again: z recomputed, p = exp(z - lse) (the softmax), minus (1 - eps) at the
   target and eps / vocab everywhere, times the transform's derivative, gives d(h W_b^T + b_b); the
   block's weight gradient is one matmul over all rows (rounded once, as eager's), the hidden's gradient
@@ -95,8 +96,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing):
         vocab = weight.shape[0]
-        rows = None
-        if not hidden.is_meta:  # only rows that count (meta tensors hold no values: every row counts)
+        rows = None  # the indices of the rows that count, where some do not
+        if hidden.is_meta:  # no values: as if one row did not count (the index's bytes, an upper bound)
+            rows = torch.empty(target.shape, dtype=torch.long, device="meta")
+        else:
             valid = target != ignore_index
             if not bool(valid.all()):
                 rows = valid.nonzero().squeeze(1)
@@ -121,15 +124,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = (lse - picked).sum()
         if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
             loss = (1 - smoothing) * loss + smoothing * (lse - total / vocab).sum()
-        ctx.save_for_backward(hidden, weight, bias, target, lse)
-        ctx.rows, ctx.ops, ctx.ignore_index, ctx.smoothing = rows, ops, ignore_index, smoothing
+        ctx.save_for_backward(hidden, weight, bias, target, lse, rows)
+        ctx.ops, ctx.ignore_index, ctx.smoothing = ops, ignore_index, smoothing
         ctx.pre_dtype = torch.result_type(h, weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, target, lse = ctx.saved_tensors
-        rows, ops, smoothing = ctx.rows, ctx.ops, ctx.smoothing
+        hidden, weight, bias, target, lse, rows = ctx.saved_tensors
+        ops, smoothing = ctx.ops, ctx.smoothing
         vocab = weight.shape[0]
         h = hidden if rows is None else hidden.index_select(0, rows)
         t = target if rows is None else target.index_select(0, rows)

@@ -61,7 +61,8 @@ KINDS: dict[str, str] = {
     "gated_products": "gated products act(g)*u",
     "mlp_other": "MLP, other (linear inputs, u)",
     "norms": "norms",
-    "other": "other (embeddings, residuals, head)",
+    "head_loss": "head and loss (logits, log-softmax)",
+    "other": "other (embeddings, residuals)",
 }
 
 _NORM = re.compile(r"norm", re.IGNORECASE)
@@ -244,6 +245,10 @@ def _own_kinds(model: nn.Module) -> dict[nn.Module, str]:
             kinds[module] = "attention"
         elif _MLP.search(cls):
             kinds.setdefault(module, "mlp_other")
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, nn.Module):
+        kinds[head] = "head_loss"
     return kinds
 
 
@@ -273,6 +278,8 @@ class _Attributed(count_saved):
         self.kind_of: dict[int, str] = {}  # storage identity -> kind, for counted storages
         self.notes: dict[int, str] = {}  # the same, noted inside a gated module until it returns
         self.activation_nodes: dict[int, object] = {}  # id -> the autograd node of an activation output
+        self.model = model
+        self.after_head = False  # the head has run: what the model itself saves next is its loss's
         self.handles = []
         for module in model.modules():
             self.handles += [
@@ -313,6 +320,8 @@ class _Attributed(count_saved):
             hooks.__exit__(None, None, None)
         self.top_before.pop()
         self.stack.pop()
+        if self.kinds.get(module) == "head_loss":
+            self.after_head = True
         if self._observing(self._top()):  # no gated module runs: what was noted has reached the counter
             self.notes.clear()
 
@@ -327,6 +336,8 @@ class _Attributed(count_saved):
         base = t if t._base is None else t._base
         if base.grad_fn is not None and id(base.grad_fn) in self.activation_nodes:
             return "mlp_activations"  # an activation's output, wherever it is saved
+        if self.after_head and self.stack and self.stack[-1] is self.model:
+            return "head_loss"  # saved by the model's own forward after its head: the loss
         for module in reversed(self.stack):
             if module in self.kinds:
                 return self.kinds[module]
@@ -408,24 +419,32 @@ def plan_memory(
     *,
     gated: bool = True,
     norms: bool = True,
+    loss: bool = True,
+    labels: bool = True,
 ) -> dict:
     """What one training forward of input_ids (batch, seq) saves for backward, eager and after
-    `invact.patch(model, gated=gated, norms=norms)`, for the transformers model `config` describes (a config
-    object, a config dict, or the path of a config JSON file or of a folder holding config.json),
-    built on the meta device in `dtype`. Nothing is allocated or downloaded.
+    `invact.patch(model, gated=gated, norms=norms, loss=loss)`, for the transformers model `config`
+    describes (a config object, a config dict, or the path of a config JSON file or of a folder
+    holding config.json), built on the meta device in `dtype`. Nothing is allocated or downloaded.
+    With `labels` (the default) a model whose forward takes labels (a causal LM) gets labels =
+    input_ids, so the forward computes its loss, as a training step does, and the head and loss count
+    as their own kind; labels=False runs the forward without them (no loss: the logits are the
+    output).
 
     Returns a JSON-ready dict; bytes are ints:
     - eager_saved_bytes, patched_saved_bytes: bytes autograd saves for backward (each storage once,
       parameters and buffers excluded), and change: patched / eager - 1;
     - kinds: [{kind, label, eager_bytes, patched_bytes}] in KINDS order (they add up to the totals);
-    - output_bytes: bytes of the forward's output not among the saved (the logits, (batch, seq,
-      vocab) in dtype), held until the loss is computed; input_bytes: input_ids (batch, seq) int64,
-      which the embedding saves (so they are in the saved bytes);
+    - output_bytes: bytes of eager's output not among the saved (the logits, (batch, seq, vocab) in
+      dtype; with labels eager returns them beside the loss), patched_output_bytes the same after
+      patch() (with labels, the loss alone: patch()'s loss path keeps no logits); input_bytes:
+      input_ids (batch, seq) int64, which the embedding saves (so they are in the saved bytes);
     - parameter_bytes: the model's parameters and buffers, each storage once (not in the figures);
-    - decisions: patch()'s decisions [{name, class, replace, reason, gated, kind}] (kind "activation"
-      or "norm");
+    - decisions: patch()'s decisions [{name, class, replace, reason, gated, kind}] (kind "activation",
+      "norm" or "loss");
     - attention: {implementation ("sdpa" or "eager"), kernels (SDPA's kernels used: "flash", "math")};
-    - model_type, model_class, config (the path, or None), batch, seq, dtype, gated, norms.
+    - model_type, model_class, config (the path, or None), batch, seq, dtype, gated, norms, loss,
+      labels (whether labels were passed: also False where the forward takes none).
     PlanError for input it cannot take."""
     for name, value in (("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -447,11 +466,14 @@ def plan_memory(
                         "token ids")  # fmt: skip
     if "use_cache" in parameters:
         inputs["use_cache"] = False
-    decisions = invact.plan(model, gated=gated, norms=norms)
+    labels = labels and "labels" in parameters
+    if labels:
+        inputs["labels"] = ids
+    decisions = invact.plan(model, gated=gated, norms=norms, loss=loss)
     try:
         with torch.enable_grad():
             eager = _forward(model, inputs)
-            invact.patch(model, gated=gated, norms=norms)
+            invact.patch(model, gated=gated, norms=norms, loss=loss)
             patched = _forward(model, inputs)
     except (RuntimeError, NotImplementedError) as e:  # e.g. "Tensor.item() cannot be called on meta tensors"
         raise PlanError(
@@ -467,6 +489,8 @@ def plan_memory(
         "dtype": str(torch_dtype).removeprefix("torch."),
         "gated": gated,
         "norms": norms,
+        "loss": loss,
+        "labels": labels,
         "eager_saved_bytes": eager["saved_bytes"],
         "patched_saved_bytes": patched["saved_bytes"],
         "change": patched["saved_bytes"] / eager["saved_bytes"] - 1 if eager["saved_bytes"] else 0.0,
@@ -482,6 +506,7 @@ def plan_memory(
             for kind, label in KINDS.items()
         ],
         "output_bytes": eager["output_bytes"],
+        "patched_output_bytes": patched["output_bytes"],
         "input_bytes": ids.numel() * ids.element_size(),
         "parameter_bytes": _storage_bytes((*model.parameters(), *model.buffers())),
         "attention": {

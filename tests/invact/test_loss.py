@@ -159,8 +159,9 @@ def test_saves_no_vocabulary_sized_tensor():
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
         L.linear_cross_entropy(h, w, t)
     others = [x for x in saved if x.untyped_storage().data_ptr() not in (h.data_ptr(), w.data_ptr())]
-    # besides the inputs: the targets and one fp32 log-sum-exp per row, nothing of rows x vocab
-    assert sum(x.untyped_storage().nbytes() for x in others) <= ROWS * (8 + 4)
+    # besides the inputs, per row: the int64 target, one fp32 log-sum-exp and the int64 index of the
+    # rows that count; nothing of rows x vocab
+    assert sum(x.untyped_storage().nbytes() for x in others) <= ROWS * (8 + 4 + 8)
 
 
 # -- Inside Hugging Face models --------------------------------------------------------------------------

@@ -5,6 +5,8 @@ hooks on meta tensors."""
 
 import gc
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -52,12 +54,13 @@ def _write(tmp_path: Path, config: dict, name: str = "config.json") -> Path:
     return path
 
 
-def _held_bytes(config: dict, patched: bool) -> tuple[int, int]:
+def _held_bytes(config: dict, patched: bool, labels: bool = False) -> tuple[int, int]:
     """(bytes allocated and not freed during one training forward of the model `config` describes,
     built on CPU in fp32 with random weights (seed 0), on input_ids (BATCH, SEQ) (seed 1): what
     autograd keeps plus the output, summed over the profiler's self_cpu_memory_usage, no saved-tensor
-    hooks; the bytes of input_ids, allocated before the forward). Earlier garbage is collected first:
-    freed inside the profile, it would count as negative."""
+    hooks; the bytes of input_ids, allocated before the forward). With `labels`, labels = input_ids (the
+    loss computed, as the planner's default). Earlier garbage is collected first: freed inside the
+    profile, it would count as negative."""
     torch.manual_seed(0)
     built = transformers.AutoConfig.for_model(**config)
     auto = transformers.AutoModelForCausalLM
@@ -69,30 +72,62 @@ def _held_bytes(config: dict, patched: bool) -> tuple[int, int]:
     ids = torch.randint(0, config["vocab_size"], (BATCH, SEQ), generator=seeded)
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = model(input_ids=ids, use_cache=False)
+        out = model(input_ids=ids, use_cache=False, **({"labels": ids} if labels else {}))
     held = sum(e.self_cpu_memory_usage for e in prof.events())
     del out
     return held, ids.numel() * ids.element_size()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("labels", [True, False], ids=["labels", "no labels"])
 @pytest.mark.parametrize("config", [TINY_LLAMA, TINY_GPT2], ids=["llama", "gpt2"])
-def test_planned_bytes_match_what_a_real_forward_holds(tmp_path, config):
+def test_planned_bytes_match_what_a_real_forward_holds(tmp_path, config, labels):
     shape = ("--batch", str(BATCH), "--seq", str(SEQ), "--dtype", "float32")
-    plan = _plan_json(_write(tmp_path, config), *shape)
-    assert plan["attention"]["implementation"] == "sdpa"
-    for patched, key in ((False, "eager_saved_bytes"), (True, "patched_saved_bytes")):
-        held, input_bytes = _held_bytes(config, patched)
+    plan = _plan_json(_write(tmp_path, config), *shape, *(() if labels else ("--no-labels",)))
+    assert plan["attention"]["implementation"] == "sdpa" and plan["labels"] == labels
+    for patched, key, output in (
+        (False, "eager_saved_bytes", "output_bytes"),
+        (True, "patched_saved_bytes", "patched_output_bytes"),
+    ):
+        held, input_bytes = _held_bytes(config, patched, labels)
         # What the forward holds when it returns, in the planner's terms:
         #   + the bytes saved for backward (plan[key]: each storage once, parameters excluded), which
         #     include input_ids: the embedding saves the indices for its backward;
-        #   + the output's bytes not among them (plan["output_bytes"]: the logits, (BATCH, SEQ, vocab)
-        #     fp32, held by the returned ModelOutput);
+        #   + the output's bytes not among them (plan[output]: the logits, (BATCH, SEQ, vocab) fp32,
+        #     held by the returned ModelOutput, and the loss; patch()'s loss path returns no logits);
         #   - input_ids, saved but allocated before the profile started (the planner reports the same
         #     bytes as plan["input_bytes"]).
         assert plan["input_bytes"] == input_bytes
-        expected = plan[key] + plan["output_bytes"] - input_bytes
+        expected = plan[key] + plan[output] - input_bytes
         assert held == pytest.approx(expected, rel=HELD_TOLERANCE), (key, held, expected)
+
+
+def _documented_plans() -> list[tuple[str, str, list[str]]]:
+    """(file, command, the lines shown) for every `$ invact plan ...` text block in the README and docs."""
+    found = []
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))):
+        for command, shown in re.findall(
+            r"```text\n\$ (invact plan [^\n]*)\n(.*?)```", path.read_text(), re.S
+        ):
+            found.append((str(path.relative_to(ROOT)), command, shown.splitlines()))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "where, command, shown", _documented_plans(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_documented_plan_output_is_the_commands(where, command, shown):
+    # Each shown line is a line the command prints now, in the same order (a block may show a part).
+    done = _run(*shlex.split(command)[1:])
+    assert done.returncode == 0, done.stderr
+    printed = iter(line.rstrip() for line in done.stdout.splitlines())
+    for line in shown:
+        assert any(line.rstrip() == p for p in printed), f"{where}: {line!r} is not what `{command}` prints"
+
+
+def test_the_readme_and_docs_show_a_plan():
+    assert {where for where, _, _ in _documented_plans()} >= {"README.md", "docs/patching.md"}
 
 
 @pytest.mark.slow
@@ -131,7 +166,7 @@ def test_llama_8b_shaped_config(tmp_path):
     cfg = json.loads(LLAMA_8B.read_text())
     layers, inter, vocab = cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
     tokens, bf16 = 4096, 2
-    plan = _plan_json(LLAMA_8B, "--batch", "1", "--seq", str(tokens), "--no-norms")  # the MLPs' rows
+    plan = _plan_json(LLAMA_8B, "--batch", "1", "--seq", str(tokens), "--no-norms", "--no-labels")  # MLPs
     kinds = {k["kind"]: k for k in plan["kinds"]}
     per_mlp = tokens * inter * bf16  # one (1, seq, intermediate) bf16 tensor
     bits = tokens * inter // 8
@@ -254,7 +289,7 @@ def test_fused_gate_up_on_meta_matches_cpu():
     from invact.planner import plan_memory
 
     config = TINY_LLAMA | {"model_type": "phi3", "pad_token_id": 0}
-    plan = plan_memory(config, BATCH, SEQ, "float32")
+    plan = plan_memory(config, BATCH, SEQ, "float32", labels=False)
     for patched, key in ((False, "eager_saved_bytes"), (True, "patched_saved_bytes")):
         torch.manual_seed(0)
         built = transformers.AutoConfig.for_model(**config)
