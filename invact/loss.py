@@ -356,7 +356,9 @@ class LossHead(nn.Module):
     _invact_armed = 0
 
     def forward(self, input):  # noqa: A002 - nn.Linear's argument name
-        if self._invact_armed and torch.is_grad_enabled():
+        # Under torch.compile the head computes its logits as eager does: Dynamo would trace
+        # PendingLogits' Python, which is not checked yet (the loss path is eager's for now).
+        if self._invact_armed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return PendingLogits(input, self.weight, self.bias)
         return super().forward(input)
 

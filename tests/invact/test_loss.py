@@ -340,3 +340,13 @@ def test_hf_trainer_step_matches_eager(tmp_path):
     assert math.isfinite(losses["patched"]) and abs(losses["patched"] - losses["eager"]) <= HF_BOUND * abs(
         losses["eager"]
     )
+
+
+def test_under_torch_compile_the_head_computes_its_logits():
+    plain, patched = _pair("llama")
+    ids, labels = _inputs()
+    compiled = torch.compile(patched, backend="eager", fullgraph=False)
+    out = compiled(input_ids=ids, labels=labels)
+    want = plain(input_ids=ids, labels=labels)
+    assert out.logits is not None and torch.equal(out.logits, want.logits)
+    assert torch.equal(out.loss, want.loss)
