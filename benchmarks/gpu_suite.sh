@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # All GPU work in one command (`make gpu`): the CUDA tests, the kernel tuning sweep, the paper's time
-# table in fp32 and bf16 (with the bare kernels' GB/s), and peak memory of full training steps.
+# table in fp32 and bf16 (with the bare kernels' GB/s), peak memory of full training steps, and the
+# time of a causal LM's head + loss (benchmarks/loss_time.py).
 # Results land in benchmarks/results/ named for the device, with one log per part in
 # benchmarks/results/gpu_logs/. Parts can be run alone (each must fit a 10-minute device command):
-#   benchmarks/gpu_suite.sh [tests] [tune] [speed-fp32] [speed-bf16] [memory] [host]   (default: all)
+#   benchmarks/gpu_suite.sh [tests] [tune] [speed-fp32] [speed-bf16] [memory] [host] [loss]   (default: all)
 # PYTHON picks the interpreter (default python3). A part that fails is reported and the others still
 # run; the exit status is non-zero if any failed.
 set -uo pipefail
@@ -13,7 +14,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOGS=benchmarks/results/gpu_logs
 mkdir -p "$LOGS"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests tune speed-fp32 speed-bf16 memory host)
+[ ${#parts[@]} -eq 0 ] && parts=(tests tune speed-fp32 speed-bf16 memory host loss)
 
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "gpu_suite: no CUDA device visible to $PYTHON" >&2
@@ -50,7 +51,9 @@ for part in "${parts[@]}"; do
       run memory-fp32 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype float32
       run memory-bf16 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype bfloat16 ;;
     host) run host "$PYTHON" benchmarks/host_time.py --device cuda ;;
-    *) echo "gpu_suite: unknown part '$part' (tests, tune, speed-fp32, speed-bf16, memory, host)" >&2; exit 2 ;;
+    loss) run loss "$PYTHON" benchmarks/loss_time.py --rounds 7 ;;
+    *) echo "gpu_suite: unknown part '$part' (tests, tune, speed-fp32, speed-bf16, memory, host, loss)" >&2
+       exit 2 ;;
   esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

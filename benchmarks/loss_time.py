@@ -7,12 +7,12 @@ backward, and its reduction="none" returns 16-bit per-row losses for 16-bit inpu
 Shapes (tokens, hidden, vocab): a tiny Llama's head with Llama 3's vocabulary, a wider one, and a
 Gemma-2-style head (vocabulary 256000, final softcapping 30). Every variant runs once per round, in
 turn (drift hits all), 10% of the targets ignored (-100); each figure is the median over rounds.
-Also per variant, once: the bytes its forward leaves allocated for the backward (the profiler's net
-memory; CPU only). Beside each time: GFLOP/s of its matmuls (eager 6 N H V, invact 8 N H V: the
-backward recomputes the logits) against a reference measured in the same run, the FLOPs of one (N x
-H) x (H x V) matmul in blocks of 2048 columns (REFERENCE_COLUMNS) in that dtype: a variant's matmul
-rate well above the reference would be a measurement error. Writes
-benchmarks/results/loss_time_<device>.json, and its markdown table to .md beside it.
+Also per variant, once: the bytes its forward leaves allocated for the backward. Beside each time:
+GFLOP/s of its matmuls (eager 6 N H V, invact 8 N H V: the backward recomputes the logits) against a
+reference measured in the same run, the FLOPs of one (N x H) x (H x V) matmul in blocks of 2048
+columns (REFERENCE_COLUMNS) in that dtype: a variant's matmul rate well above the reference would be
+a measurement error. Writes benchmarks/results/loss_time_<device>.json, and its markdown table to
+.md beside it.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ SOFTCAP = (("div", 30.0), ("tanh",), ("mul", 30.0))
 # writing of a (tokens x vocab) result (one whole-logits matmul ran at 128 GFLOP/s where blocks of
 # the same FLOPs ran faster: 2 cores of an AMD EPYC Zen 4, fp32, 2048 x 256 x 128256).
 REFERENCE_COLUMNS = 2048
-# (label, tokens, hidden, vocab, ops, whether torch's default options run: measured 17.7x (fp32) and
-# 63.8x (bf16) eager's time on the first shape, 2 cores of an AMD EPYC Zen 4, they would take most of
+# (label, tokens, hidden, vocab, ops, whether torch's default options run: measured 17.1x (fp32) and
+# 60.7x (bf16) eager's time on the first shape, 2 cores of an AMD EPYC Zen 4, they would take most of
 # the run on the others: their aspect-ratio chunking gives 0-4 rows a chunk at these widths)
 SHAPES = [
     ("Llama-3 vocabulary, hidden 128", 512, 128, 128256, (), True),
@@ -90,10 +90,20 @@ def _ms(fn, device) -> float:
 
 
 def _held_after_forward(fn, h, w, t) -> int:
-    """Bytes a forward allocates and has not freed when it returns (the profiler's net CPU memory,
-    self_cpu_memory_usage summed): what the variant holds for its backward, saved tensors or not (a
-    gradient buffer kept on the autograd context counts too), plus the loss itself."""
+    """Bytes a forward allocates and has not freed when it returns (CPU: the profiler's net memory,
+    self_cpu_memory_usage summed; CUDA: torch.cuda.memory_allocated after against before): what the
+    variant holds for its backward, saved tensors or not (a gradient buffer kept on the autograd
+    context counts too), plus the loss itself."""
     from torch.profiler import ProfilerActivity, profile
+
+    if h.is_cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = fn(h, w, t)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        del loss
+        return held
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = fn(h, w, t)

@@ -24,6 +24,11 @@ what the eager norms save beyond their outputs (inside the norm modules, paramet
 fp32 rstd per row, as Liger-Kernel's RMSNorm saves X and rstd (computed from the same forward, not run).
 invact.memory counts what it saves exactly (a test checks it against the profiler's net memory held
 after the forward). Prints a markdown table and writes benchmarks/results/memory_<device>.{json,md}.
+
+--lm: causal LMs with real vocabularies called with labels (measure_lm), as a training step calls them,
+so the loss is computed: eager, patch(loss=False) and patch(), the head and loss as `invact plan`
+attributes them, and Liger-Kernel's fused loss, RMSNorm and SwiGLU computed from the eager forward;
+writes benchmarks/results/memory_lm_cpu[_bfloat16].{json,md}.
 """
 
 from __future__ import annotations
@@ -217,6 +222,8 @@ class _Call(nn.Module):
 
     def forward(self):
         out = self.model(**self.inputs)
+        if getattr(out, "loss", None) is not None:  # a causal LM called with labels
+            return out.loss
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits_per_image
 
 
@@ -331,6 +338,113 @@ def measure(case: Case, small: bool, compile_columns: bool, budget: float, dtype
     return row
 
 
+# Causal LMs called with labels, as a training step calls them: the loss is computed, and eager's
+# fp32 log-softmax over the vocabulary is saved. Real vocabularies, small widths (4 layers of 256, seq
+# 512): label -> (config class, model class, config keywords).
+LM_FAMILIES = {
+    "Llama-3-style (vocabulary 128256)": ("LlamaConfig", "LlamaForCausalLM", {"vocab_size": 128256}),
+    "Qwen2.5-style (vocabulary 151936, tied)": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"vocab_size": 151936, "tie_word_embeddings": True},
+    ),
+    "Gemma-2-style (vocabulary 256000, softcap 30, eager attention)": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "vocab_size": 256000,
+            "head_dim": 64,
+            "final_logit_softcapping": 30.0,
+            "attn_implementation": "eager",
+        },
+    ),
+}
+
+
+def _lm(label: str, small: bool) -> tuple[nn.Module, dict]:
+    import transformers
+
+    config_cls, model_cls, extra = LM_FAMILIES[label]
+    size = (dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2) if small else
+            dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2))  # fmt: skip
+    if small:
+        extra = (
+            {**extra, "vocab_size": 4000, "head_dim": 16}
+            if "head_dim" in extra
+            else {**extra, "vocab_size": 4000}
+        )
+    seq = 64 if small else 512
+    cfg = getattr(transformers, config_cls)(**size, **{"attn_implementation": "sdpa", **extra})
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
+    return getattr(transformers, model_cls)(cfg), {"input_ids": ids, "labels": ids}
+
+
+def _by_kind(model: nn.Module, inputs: dict) -> tuple[int, dict[str, int]]:
+    """(bytes saved, bytes per kind) of one training forward, attributed as invact plan attributes them
+    (invact.planner: the head and the loss are their own kind)."""
+    from invact.planner import _Attributed
+
+    counter = _Attributed(model)
+    try:
+        with counter:
+            out = model(**inputs)
+            kinds = counter.by_kind()
+        del out
+    finally:
+        counter.remove()
+    return counter.report.saved_bytes, kinds
+
+
+def measure_lm(label: str, small: bool, dtype=torch.float32) -> dict:
+    """A causal LM with labels: eager, patch(loss=False), patch(); what the head and loss hold; and
+    Liger-Kernel's FusedLinearCrossEntropy + RMSNorm + SwiGLU/GeGLU computed from the eager forward:
+    its fused loss keeps grad_input (tokens x hidden) and grad_weight (vocab x hidden), in the model's
+    dtype, from forward to backward (liger_kernel/ops/fused_linear_cross_entropy.py computes both in
+    the forward) instead of eager's head and loss; its RMSNorm keeps each call's input and an fp32
+    rstd per row (_norms); its SiLU/GELU-mul keeps g and u and recomputes act(g), so act(g) * u's
+    factor act(g) is no longer saved."""
+    torch.manual_seed(0)
+    model, inputs = _lm(label, small)
+    model.to(dtype).train()
+    cfg = model.config
+    tokens = inputs["input_ids"].numel()
+    row = {"model": label, "setup": f"seq {tokens}" if not small else "tiny config (smoke run)"}
+    row["torch_eager"], kinds = _by_kind(model, inputs)
+    row["eager_head_loss"] = kinds["head_loss"]
+    row["norms_held"], liger_norms = _norms(model, inputs)
+    size = torch.finfo(dtype).bits // 8
+    activation_outputs = cfg.num_hidden_layers * tokens * cfg.intermediate_size * size
+    flce = (tokens + cfg.vocab_size) * cfg.hidden_size * size
+    eager = row["torch_eager"]
+    row["liger_computed"] = (
+        eager - row["eager_head_loss"] + flce - row["norms_held"] + liger_norms - activation_outputs
+    )
+    invact.patch(model, loss=False)
+    row["invact_no_loss"], _ = _by_kind(model, inputs)
+    invact.patch(model)
+    row["invact_patch"], kinds = _by_kind(model, inputs)
+    row["patch_head_loss"] = kinds["head_loss"]
+    row["fp32_logits"] = tokens * cfg.vocab_size * 4
+    del model
+    gc.collect()
+    return row
+
+
+def markdown_lm(rows: list[dict]) -> str:
+    head = ["model", "input", "torch eager", "head + loss, eager", "patch(loss=False)", "patch()",
+            "head + loss, patch()", "Liger FLCE + RMSNorm + SwiGLU (computed)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        base = r["torch_eager"]
+        cells = [r["model"], r["setup"], f"{base / 2**20:.0f} MiB", f"{r['eager_head_loss'] / 2**20:.1f} MiB",
+                 _pct(r["invact_no_loss"], base), _pct(r["invact_patch"], base),
+                 f"{r['patch_head_loss'] / 2**10:.1f} KiB", _pct(r["liger_computed"], base)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _pct(new: int, old: int) -> str:
     return f"{100 * (new / old - 1):+.1f}%"
 
@@ -373,9 +487,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the models' dtype (default float32)")  # fmt: skip
     parser.add_argument("--out", type=Path,
                         help="output stem (default benchmarks/results/memory_cpu[_bfloat16])")  # fmt: skip
+    parser.add_argument(
+        "--lm",
+        action="store_true",
+        help="the causal LMs called with labels instead (default stem memory_lm_cpu[_bfloat16])",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:
         parser.error("--budget must be in (0, 1]")
+    if args.lm:
+        return _main_lm(args)
     cases = [c for c in CASES if not args.only or any(w.lower() in c.name.lower() for w in args.only)]
     if not cases:
         parser.error(f"--only {args.only} matches none of: {', '.join(c.name for c in CASES)}")
@@ -404,6 +525,41 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     stem = args.out or RESULTS / ("memory_cpu" if args.dtype == "float32" else f"memory_cpu_{args.dtype}")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(table + "\n")
+    print(f"\nwritten to {stem.with_suffix('.json')} and .md")
+    return 0
+
+
+def _main_lm(args) -> int:
+    import transformers
+
+    from timing import device_name
+
+    labels = [k for k in LM_FAMILIES if not args.only or any(w.lower() in k.lower() for w in args.only)]
+    rows = []
+    for label in labels:
+        t0 = time.perf_counter()
+        rows.append(measure_lm(label, args.small, getattr(torch, args.dtype)))
+        print(f"measured {label} in {time.perf_counter() - t0:.0f} s", flush=True)
+    table = markdown_lm(rows)
+    print("\n" + table)
+    result = {
+        "device": device_name("cpu"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "settings": {
+            "small": args.small,
+            "dtype": args.dtype,
+            "batch": 1,
+            "labels": True,
+            "dropout": "config's",
+        },
+        "rows": rows,
+    }
+    name = "memory_lm_cpu" if args.dtype == "float32" else f"memory_lm_cpu_{args.dtype}"
+    stem = args.out or RESULTS / name
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(table + "\n")

@@ -6,21 +6,23 @@ Models (transformers configs, random init, nothing downloaded), on data every ma
 - `llama`: a Llama-style byte-level LM (SwiGLU) on the same text;
 - `vit`: a ViT-style classifier (GELU) on scikit-learn's bundled 8x8 digits.
 Variants, with the same initial weights and the same batches for a given seed: `torch`; `bits`
-(invact.patch(norms=False): the activations, the default family); `norms` (invact.patch's default:
-the activations and the norms inverted, invact.norm); `paper` (InvAct with the paper's formulas,
-benchmarks/family.py); `precision_bit`; `fewbit1` and `fewbit4` (benchmarks/fewbit.py, a baseline);
-and `perturbed`, a control: torch with a relative noise of one rounding (the dtype's eps) on the
-activation's gradient, which shows how far a negligible change moves a model's curves. One model
-(--trainer, default gpt2) is also trained through transformers.Trainer, torch against invact.patch:
-the drop-in path.
+(invact.patch(norms=False): the activations, the default family); `norms` (invact.patch(loss=False):
+the activations and the norms inverted, invact.norm); `loss` (invact.patch's default: also a
+language model's loss computed from hidden states, invact.loss; the ViT is patched as by `norms`);
+`paper` (InvAct with the paper's formulas, benchmarks/family.py); `precision_bit`; `fewbit1` and
+`fewbit4` (benchmarks/fewbit.py, a baseline); and `perturbed`, a control: torch with a relative
+noise of one rounding (the dtype's eps) on the activation's gradient, which shows how far a
+negligible change moves a model's curves. One model (--trainer, default gpt2) is also trained
+through transformers.Trainer, torch against invact.patch: the drop-in path.
 Each run logs the training loss and, every --eval-every steps, the validation loss on one fixed
 validation set (LMs: --val-batches windows of the held-out bytes; digits: all 297 held-out images).
 
 The statistic, per model, dtype, variant and logged step: the mean over seeds of the paired
 difference to torch, in units of the spread (standard deviation) of torch's own loss across seeds.
 |that| <= 1 means the variant's curve stays within torch's seed spread there. Writes
-benchmarks/results/training_<device>.json, prints a markdown summary and (with matplotlib) plots
-each model to benchmarks/results/training_<model>.png.
+benchmarks/results/training_<device>.json and its markdown summary beside it (.md), prints the
+summary and (with matplotlib) plots each model to benchmarks/results/training_<model>.png (with
+--out, <its stem>_<model>.png).
 """
 
 from __future__ import annotations
@@ -69,10 +71,11 @@ def perturb(model: nn.Module) -> list[str]:
 VARIANTS: dict[str, Callable[[nn.Module], object]] = {
     "torch": lambda m: None,
     "perturbed": perturb,
-    "bits": lambda m: invact.patch(m, mode="bits", norms=False),
-    "norms": lambda m: invact.patch(m),  # patch()'s default: the activations and the norms inverted
+    "bits": lambda m: invact.patch(m, mode="bits", norms=False, loss=False),
+    "norms": lambda m: invact.patch(m, loss=False),  # the activations and the norms inverted
+    "loss": lambda m: invact.patch(m),  # patch()'s default: also an LM's loss from hidden states
     "paper": lambda m: patch_family(m, "paper"),
-    "precision_bit": lambda m: invact.patch(m, mode="precision_bit", norms=False),
+    "precision_bit": lambda m: invact.patch(m, mode="precision_bit", norms=False, loss=False),
     "fewbit1": lambda m: patch_fewbit(m, 1),
     "fewbit4": lambda m: patch_fewbit(m, 4),
 }
@@ -350,8 +353,8 @@ def statistic_figure(result: dict):
     return fig
 
 
-def plot(result: dict, out_dir: Path) -> list[Path]:
-    """figure() of each model, saved as out_dir/training_<model>.png (nothing without matplotlib)."""
+def plot(result: dict, out_dir: Path, prefix: str = "training") -> list[Path]:
+    """figure() of each model, saved as out_dir/<prefix>_<model>.png (nothing without matplotlib)."""
     try:
         import matplotlib
 
@@ -362,7 +365,7 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
     paths = []
     for model in dict.fromkeys(key.rsplit("/", 1)[0] for key in result["runs"]):
         fig = figure(result, model)
-        path = out_dir / f"training_{model.replace('+', '_').lower()}.png"
+        path = out_dir / f"{prefix}_{model.replace('+', '_').lower()}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
@@ -435,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
     }
     out = write_result(result, "training", "cpu", out=args.out)
-    for path in plot(result, out.parent):
+    out.with_suffix(".md").write_text(markdown(rows) + "\n")  # the table the docs include
+    # the default run's plots are training_<model>.png; another --out's are <its stem>_<model>.png
+    for path in plot(result, out.parent, "training" if args.out is None else out.stem):
         print(f"plotted {path}")
     return 0
 
