@@ -184,7 +184,8 @@ def table(result: dict) -> str:
     names = list(dict.fromkeys(k for r in result["rows"] for k in r["variants"] if k != "reference matmul"))
     lines = [
         f"Head + loss, forward + backward, {result['device']}, torch {result['torch']}, median of "
-        f"{result['rounds']} rounds (ms; x eager; GFLOP/s of the matmuls, reference: one matmul)",
+        f"{result['rounds']} rounds (ms; x eager; GFLOP/s of the matmuls; reference: one logits matmul's "
+        f"FLOPs in {REFERENCE_COLUMNS}-column blocks)",
         "",
         "| shape (tokens x hidden x vocab) | dtype | " + " | ".join(names) + " | reference matmul |",
         "|---" * (len(names) + 3) + "|",
