@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 from invact.loss import linear_cross_entropy
 
-from timing import device_name, write_result
+from timing import device_name, wall_ms, write_result
 
 SOFTCAP = (("div", 30.0), ("tanh",), ("mul", 30.0))
 # The reference's block: (tokens x 2048) outputs stay in cache, so it measures the matmul, not the
@@ -79,16 +78,6 @@ def _inputs(tokens, hidden, vocab, dtype, device):
     return h, w, t.to(device)
 
 
-def _ms(fn, device) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def _held_after_forward(fn, h, w, t) -> int:
     """Bytes a forward allocates and has not freed when it returns (CPU: the profiler's net memory,
     self_cpu_memory_usage summed; CUDA: torch.cuda.memory_allocated after against before): what the
@@ -130,8 +119,8 @@ def measure(label, tokens, hidden, vocab, ops, torch_default, dtype, device, rou
     losses = {name: fn(h, w, t).item() for name, fn in variants.items()}  # also a warm-up
     for _ in range(rounds):
         for name, fn in variants.items():
-            times[name].append(_ms(lambda fn=fn: step(fn), device))
-        times["reference matmul"].append(_ms(reference, device))
+            times[name].append(wall_ms(lambda fn=fn: step(fn), 1, device))
+        times["reference matmul"].append(wall_ms(reference, 1, device))
     ms = {k: statistics.median(v) for k, v in times.items()}
     matmul = 2 * tokens * hidden * vocab
     blocks = vocab // REFERENCE_COLUMNS

@@ -36,6 +36,7 @@ patch(loss=False), or in eval mode or without labels, where nothing changes).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -125,7 +126,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
             loss = (1 - smoothing) * loss + smoothing * (lse - total / vocab).sum()
         ctx.save_for_backward(hidden, weight, bias, target, lse, rows)
-        ctx.ops, ctx.ignore_index, ctx.smoothing = ops, ignore_index, smoothing
+        ctx.ops, ctx.smoothing = ops, smoothing  # ignore_index: in `rows`
         ctx.pre_dtype = torch.result_type(h, weight)
         return loss
 
@@ -234,7 +235,6 @@ class PendingLogits:
         self.hidden, self.weight, self.bias, self.ops = hidden, weight, bias, ops
         self.dtype = dtype or torch.result_type(hidden, weight)
         self.shape = torch.Size(shape or (*hidden.shape[:-1], weight.shape[0]))
-        self._upcast = self.dtype != torch.result_type(hidden, weight)
 
     device = property(lambda self: self.hidden.device)
     ndim = property(lambda self: len(self.shape))
@@ -322,13 +322,13 @@ class PendingLogits:
         return func(*[real(a) for a in args], **{k: real(v) for k, v in kwargs.items()})
 
 
-_CE_PARAMETERS = inspect.signature(F.cross_entropy).parameters
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
 def _cross_entropy(*args, **kwargs):
     """F.cross_entropy(pending, target, ...) by linear_cross_entropy, or None where it does not apply
     (class weights, probabilities as targets, reduction "none", logits not (rows, vocab))."""
-    bound = inspect.Signature(list(_CE_PARAMETERS.values())).bind(*args, **kwargs)
+    bound = _CE_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
     pending, target = a["input"], a["target"]
@@ -366,31 +366,45 @@ class LossHead(nn.Module):
         return "loss from hidden states"
 
 
-def head_of(model: nn.Module) -> tuple[str | None, str]:
-    """(the qualified name of the head whose loss patch() computes from hidden states, why) or (None,
-    why not). Taken by structure: a Hugging Face model whose forward takes labels, whose loss function
-    is transformers' causal-LM loss, and whose output embeddings are an nn.Linear."""
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output embeddings (Hugging Face's get_output_embeddings()); None where it has none."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
-    if head is None:
-        return None, "the model has no output embeddings (get_output_embeddings)"
+    return head if isinstance(head, nn.Module) else None
+
+
+def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
+    """(the qualified name of the model's head, whether patch() computes its loss from hidden states,
+    why or why not); (None, False, why) for a model without a head. Taken by structure: a Hugging Face
+    model whose forward takes labels, whose loss function is transformers' causal-LM loss, and whose
+    output embeddings are an nn.Linear."""
+    head = output_head(model)
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if name is None:
+        return None, False, "the model has no output embeddings (get_output_embeddings)"
     if type(head) is not nn.Linear and not isinstance(head, LossHead):
-        return None, f"its head is a {type(head).__name__}, not an nn.Linear"
-    if "labels" not in inspect.signature(model.forward).parameters:
-        return None, "its forward takes no labels"
+        return name, False, f"its head is a {type(head).__name__}, not an nn.Linear"
+    if _labels_at(type(model)) is None:
+        return name, False, "its forward takes no labels"
     if getattr(model, "loss_type", None) != "ForCausalLM" or "_loss_function" in vars(model):
-        return None, "its loss is not transformers' causal-LM loss"
-    name = next(n for n, m in model.named_modules() if m is head)
-    return name, ("the loss is computed from the hidden state and the head's weight a vocabulary block "
-                  "at a time: no (tokens x vocab) logits kept")  # fmt: skip
+        return name, False, "its loss is not transformers' causal-LM loss"
+    return name, True, ("the loss is computed from the hidden state and the head's weight a vocabulary "
+                        "block at a time: no (tokens x vocab) logits kept")  # fmt: skip
+
+
+@functools.cache
+def _labels_at(cls: type) -> int | None:
+    """The position of `labels` among the positional arguments of cls.forward (self excluded); None
+    where it takes no labels. Once per class: _arm runs on every training forward."""
+    names = list(inspect.signature(cls.forward).parameters)[1:]
+    return names.index("labels") if "labels" in names else None
 
 
 def _labels(model: nn.Module, args: tuple, kwargs: dict):
     if "labels" in kwargs:
         return kwargs["labels"]
-    names = [p for p in inspect.signature(model.forward).parameters]
-    at = names.index("labels") if "labels" in names else len(args)
-    return args[at] if at < len(args) else None
+    at = _labels_at(type(model))
+    return args[at] if at is not None and at < len(args) else None
 
 
 def _arm(model, args, kwargs):

@@ -339,15 +339,10 @@ def plan(
 
 def _loss_decisions(model: nn.Module) -> list[Decision]:
     """The loss's Decision for a model with a head (output embeddings), none for one without."""
-    name, why = head_of(model)
-    if name is not None:
-        return [Decision(name, _qualname(model.get_submodule(name)), True, why, kind="loss")]
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Module):
+    name, taken, why = head_of(model)
+    if name is None:
         return []
-    found = next((n for n, m in model.named_modules() if m is head), "")
-    return [Decision(found, _qualname(head), False, why, kind="loss")]
+    return [Decision(name, _qualname(model.get_submodule(name)), taken, why, kind="loss")]
 
 
 def _norm_decisions(model: nn.Module, include, exclude, static: bool) -> list[Decision]:

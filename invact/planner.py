@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 import invact
 from invact.gated import multiply
+from invact.loss import output_head
 from invact.memory import count_saved
 from invact.modules import InvAct
 from invact.patch import REPLACEABLE, SKIPPED, _is_activation_like, _qualname
@@ -245,9 +246,8 @@ def _own_kinds(model: nn.Module) -> dict[nn.Module, str]:
             kinds[module] = "attention"
         elif _MLP.search(cls):
             kinds.setdefault(module, "mlp_other")
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if isinstance(head, nn.Module):
+    head = output_head(model)
+    if head is not None:
         kinds[head] = "head_loss"
     return kinds
 

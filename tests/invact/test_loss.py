@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -228,6 +229,7 @@ HF_BOUND = _fp32_bound(48, 32, 1000)
 def test_patched_model_loss_and_gradients_match_eager(label, items):
     plain, patched = _pair(label)
     assert any(d.kind == "loss" and d.replace for d in invact.plan(patched))
+    assert isinstance(patched.get_output_embeddings(), torch.nn.Linear)  # still an nn.Linear, in place
     ids, labels = _inputs()
     extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
     want_out, want_loss, want_grads = _step(plain, input_ids=ids, labels=labels, **extra)
@@ -311,7 +313,7 @@ def test_copies_and_pickles_keep_the_loss_path():
     _, patched = _pair("llama")
     ids, labels = _inputs()
     _, want, _ = _step(patched, input_ids=ids, labels=labels)
-    for other in (copy.deepcopy(patched), __import__("pickle").loads(__import__("pickle").dumps(patched))):
+    for other in (copy.deepcopy(patched), pickle.loads(pickle.dumps(patched))):
         out, got, _ = _step(other, input_ids=ids, labels=labels)
         assert out.logits is None and got == want
 
