@@ -149,6 +149,63 @@ def _cast_back(grads: tuple, x_dtype: torch.dtype, w_dtype: torch.dtype) -> tupl
 _apply = super(torch.autograd.Function, _MLP).apply
 
 
+# The gated product and the down projection as one torch.library custom op, for torch.compile: a
+# traced gated MLP (Forward under compile) runs its gate and up projections and its activation as the
+# modules do, then down(y * u) as this op, whose autograd saves y, u and the weight and recomputes the
+# product h = y * u in backward, as the eager Function does. Opaque to the partitioner, which otherwise
+# saves h for the down projection's weight gradient (its min-cut weighs bytes moved, and recomputing h
+# for a matmul moves as many as reading it back) beside the y and u the multiply keeps: measured with
+# benchmarks/memory.py on a tiny Llama (2 layers of 64, fp32), compile + patch() then saved exactly one
+# h per layer more than eager patch(). Its backward is an op too, so no node of it is left for the
+# partitioner to move into the forward.
+def _gated_linear_impl(y: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """F.linear(y * u, weight, bias): y, u of shape (..., k), weight (n, k), bias (n,) or None."""
+    return F.linear(y * u, weight, bias)
+
+
+def _gated_linear_backward_impl(dout: torch.Tensor, y: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
+                                bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dy, du, dweight, dbias) of _gated_linear_impl; dbias empty where there is no bias."""
+    rows = dout.reshape(-1, dout.shape[-1])
+    dweight = rows.t().mm((y * u).reshape(-1, y.shape[-1]))  # the product, recomputed
+    dbias = rows.sum(0) if bias_grad else rows.new_empty(0)
+    dh = dout.matmul(weight)
+    return dh * u, dh * y, dweight, dbias
+
+
+gated_linear = torch.library.custom_op("invact::gated_linear", _gated_linear_impl, mutates_args=())
+_gated_linear_backward = torch.library.custom_op(
+    "invact::gated_linear_backward", _gated_linear_backward_impl, mutates_args=()
+)
+
+
+@gated_linear.register_fake
+def _(y, u, weight, bias):
+    return y.new_empty((*y.shape[:-1], weight.shape[0]))
+
+
+@_gated_linear_backward.register_fake
+def _(dout, y, u, weight, bias_grad):
+    return (torch.empty_like(y), torch.empty_like(u), torch.empty_like(weight),
+            dout.new_empty(weight.shape[0] if bias_grad else 0))  # fmt: skip
+
+
+def _gated_linear_setup(ctx, inputs, output) -> None:
+    y, u, weight, bias = inputs
+    ctx.bias_grad = bias is not None
+    ctx.save_for_backward(y, u, weight)
+
+
+def _gated_linear_autograd(ctx, dout):
+    y, u, weight = ctx.saved_tensors
+    dy, du, dweight, dbias = _gated_linear_backward(dout, y, u, weight, ctx.bias_grad)
+    return dy, du, dweight, dbias if ctx.bias_grad else None
+
+
+gated_linear.register_autograd(_gated_linear_autograd, setup_context=_gated_linear_setup)
+
+
 class Pattern(NamedTuple):
     """The children of a recognised MLP, by name: `gate` None for the plain form; `up_first`: the
     forward calls up before gate."""
@@ -260,8 +317,8 @@ class Forward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        if torch.compiler.is_compiling():  # traced: the module's own ops, for the partitioner to plan
-            return type(module).forward(module, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return self._traced(args, kwargs)
         if (
             len(args) == 1
             and not kwargs
@@ -281,6 +338,43 @@ class Forward:
         finally:
             hooks.post(module, args, kwargs, output)
         return output
+
+    def _traced(self, args: tuple, kwargs: dict):
+        """A call under torch.compile: the gated form's projections and activation as its modules run
+        them (hooks, a PEFT-wrapped gate or up included), then down(y * u) as invact::gated_linear;
+        the module's own forward where down is no longer a plain nn.Linear, for the plain form (the
+        activation's op saves y, which down keeps too) and for any other call."""
+        module = self.module
+        children, (up, gate, act, down, up_first) = module._modules, self.pattern
+        down = children[down]
+        if (
+            gate is None
+            or len(args) != 1
+            or kwargs
+            or not isinstance(args[0], torch.Tensor)
+            or not torch.is_grad_enabled()
+            or not isinstance(children[act], InvAct)
+            or type(down) is not nn.Linear
+            or not _bare(down)
+        ):
+            return type(module).forward(module, *args, **kwargs)
+        x = args[0]
+        if up_first:
+            u = children[up](x)
+            g = children[gate](x)
+        else:
+            g = children[gate](x)
+            u = children[up](x)
+        y = children[act](g)
+        weight, bias = down.weight, down.bias
+        device = y.device.type
+        if torch.is_autocast_enabled(device):  # F.linear's casts, which the op (no autocast kernel) skips
+            compute = torch.get_autocast_dtype(device)
+            weight = weight.to(compute)
+            bias = bias if bias is None else bias.to(compute)
+        if y.dtype is not u.dtype or y.dtype is not weight.dtype:
+            return down(y * u)
+        return gated_linear(y, u, weight, bias)
 
     def _fused(self, x) -> torch.Tensor | None:
         """The Function's output, or None where it does not serve this call."""

@@ -315,3 +315,90 @@ def test_patch_without_the_gated_path_fuses_the_plain_form_only():
     invact.patch(gated, gated=False)
     assert isinstance(plain.__dict__.get("forward"), Forward)
     assert "forward" not in gated.__dict__  # the product stays saved, as gated=False asks
+
+
+# Under torch.compile: the gated form's down(y * u) is the custom op invact::gated_linear.
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gated_linear_op(shape, bias):
+    """opcheck: schema, autograd registration, fake kernel and AOT dispatch with dynamic shapes."""
+    torch.manual_seed(0)
+    y, u = (torch.randn(*SHAPES[shape][:-1], INTERMEDIATE, requires_grad=True) for _ in range(2))
+    weight = torch.randn(HIDDEN, INTERMEDIATE, requires_grad=True)
+    b = torch.randn(HIDDEN, requires_grad=True) if bias else None
+    torch.library.opcheck(torch.ops.invact.gated_linear.default, (y, u, weight, b))
+    dout = torch.randn(*SHAPES[shape][:-1], HIDDEN)
+    args = (dout, y.detach(), u.detach(), weight.detach(), bias)
+    torch.library.opcheck(torch.ops.invact.gated_linear_backward.default, args)
+
+
+def _compiled(model: nn.Module, backend: str = "aot_eager", **patches):
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    with functorch_config.patch(**patches):
+        return torch.compile(model, backend=backend, fullgraph=True)
+
+
+@pytest.mark.parametrize("form", ["gated", "gated, up first"])
+def test_compiled_it_runs_the_op_with_the_unfused_modules_results(form):
+    """aot_eager runs the traced ops as eager does: the output is the unfused module's bitwise (the
+    op's forward is F.linear(y * u)), and so are the weights' gradients (the op's backward forms them
+    by the same products); x's gradient sums its two projections' parts in the order the traced graph
+    adds them, which may differ from eager's: within fp32 rounding of that one sum (one ulp of the
+    larger part's magnitude, measured against eager's order)."""
+    unfused, fused = _pair(form, "silu", torch.float32)
+    x = torch.randn(SHAPES["batch x seq"])
+    compiled = _compiled(fused)
+    (want_out, want), (got_out, got) = _grads(unfused, x), _grads(compiled, x)
+    assert torch.equal(got_out, want_out)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert torch.equal(a, b)
+    spacing = torch.finfo(torch.float32).eps * want[0].abs()  # one sum's rounding: <= 1/2 ulp of it
+    assert ((got[0] - want[0]).abs() <= spacing).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_it_saves_what_eager_saves(dtype):
+    """With the min-cut partitioner inductor uses, the compiled patched MLP saves the eager patched
+    MLP's bytes: no product h (without the op the partitioner kept it for the down projection)."""
+    _, fused = _pair("gated", "silu", dtype, bias=False)
+    x = torch.randn(SHAPES["batch x seq"], dtype=dtype, requires_grad=True)
+    compiled = _compiled(fused, "aot_eager_decomp_partition")
+    _saved_bytes(compiled, x)  # compile outside the measurement
+    assert _saved_bytes(compiled, x) == _saved_bytes(fused, x)
+
+
+def test_compiled_under_a_memory_budget_it_saves_no_more_than_compiled_alone():
+    unfused, fused = _pair("gated", "silu", torch.float32, bias=False)
+    alone = Gated("silu", False)
+    alone.act_fn = nn.SiLU()
+    alone.load_state_dict(unfused.state_dict())
+    x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
+    figures = {}
+    for name, model in (("alone", alone), ("patched", fused)):
+        compiled = _compiled(model, "aot_eager_decomp_partition", activation_memory_budget=0.5)
+        _saved_bytes(compiled, x)
+        figures[name] = _saved_bytes(compiled, x)
+    assert figures["patched"] <= figures["alone"], figures
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_under_autocast_of_a_float32_model(dtype):
+    """The op has no autocast kernel: the traced path casts the down projection's weight and bias as
+    F.linear's autocast does, and their gradients come back in float32; the result is the unfused
+    modules' under the same autocast within one rounding of dtype (the graph may order the casts and
+    sums differently: bounded by eps(dtype) times the magnitude)."""
+    unfused, fused = _pair("gated", "silu", torch.float32)
+    x = torch.randn(SHAPES["batch x seq"])
+    compiled = _compiled(fused)
+    with torch.autocast("cpu", dtype=dtype):
+        (want_out, want), (got_out, got) = _grads(unfused, x), _grads(compiled, x)
+    assert got_out.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    assert ((got_out.float() - want_out.float()).abs() <= eps * want_out.float().abs()).all()
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.float32
+        assert ((a - b).abs() <= eps * b.abs().max()).all()
