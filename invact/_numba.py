@@ -277,8 +277,17 @@ class Kernels(NamedTuple):
     span_bits: object
 
 
+def kernels_of(act: Activation) -> Kernels:
+    """find_kernels(act), looked up once per activation and kept in its instance dict (as a cached
+    property would keep it; invact.activations does not import this module: no import circle)."""
+    kernels = act.__dict__.get("_numba_kernels")
+    if kernels is None:
+        kernels = act.__dict__["_numba_kernels"] = find_kernels(act)
+    return kernels
+
+
 def find_kernels(act: Activation) -> Kernels:
-    """The kernels of `act` (Activation.numba_kernels holds them): the table kernels' span functions
+    """The kernels of `act` (kernels_of keeps them): the table kernels' span functions
     where backward_kernel is the table kernel of an instruction set (TABLE_KERNELS), else
     _backward_span (the polynomial's, or a monotone activation's)."""
     cpu = act.cpu  # imports numba and loads the view's kernels from its disk cache
@@ -324,7 +333,7 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
         else:
             kernel(arrays[0], _flags(y, bits, precision_bit), arrays[1], arrays[2])
         return dx32.to(dy.dtype)
-    k = act.numba_kernels
+    k = kernels_of(act)
     serial = y32.numel() <= k.span  # 0 where the view has no span function
     if act.monotone:
         (k.span_flags if serial else k.flags)(*arrays)

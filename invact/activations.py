@@ -72,14 +72,6 @@ class Activation:
         return TritonView(m.forward, q_left, m.q_right, q16_left, m.q16_right)
 
     @functools.cached_property
-    def numba_kernels(self):
-        """The numba view's backward kernels as invact._numba calls them (invact._numba.Kernels),
-        looked up once per activation (imports numba)."""
-        from invact import _numba
-
-        return _numba.find_kernels(self)
-
-    @functools.cached_property
     def threshold_f32(self):
         """T as a numpy float32 scalar (as torch rounds a Python float it compares an fp32 tensor
         with), made once: np.float32(T) took 1.1 us per call inside a training step (measured on a

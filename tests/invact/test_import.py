@@ -31,3 +31,54 @@ def test_the_hand_written_runtime_names_no_activation(name):
     # modules take an activation by name and so work unchanged for a new one.
     hand_written = sorted((ROOT / "invact").glob("*.py"))
     assert hand_written and not [p.name for p in hand_written if name in p.read_text().lower()]
+
+
+def _imports(path: Path) -> set[str]:
+    """The invact modules `path` imports, at its top or inside a function: `from invact import m` names
+    the module invact.m where that is a module, else the package."""
+    import ast
+
+    def is_module(dotted: str) -> bool:
+        p = ROOT.joinpath(*dotted.split("."))
+        return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "invact":
+            found |= {f"{node.module}.{a.name}" if is_module(f"{node.module}.{a.name}") else node.module
+                      for a in node.names}  # fmt: skip
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "invact"}
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in (ROOT / "invact").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[name] = _imports(path) - {name}
+    return graph
+
+
+def test_no_import_circle():
+    """No invact module reaches itself through the imports of others, deferred imports included: each
+    module can be read (and loaded) after the ones it needs."""
+    graph = _import_graph()
+    assert "invact.ops" in graph and "invact.activations" in graph["invact.ops"]  # the graph is read
+    done, active, circles = set(), [], []
+
+    def visit(name: str) -> None:
+        active.append(name)
+        for dep in sorted(graph.get(name, ())):
+            if dep in active:
+                circles.append(" -> ".join(active[active.index(dep):] + [dep]))
+            elif dep not in done:
+                visit(dep)
+        active.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        if name not in done:
+            visit(name)
+    assert not circles, circles
