@@ -322,32 +322,64 @@ class _Norm(torch.autograd.Function):
 
 # torch.compile traces the norm as two custom ops (opaque to the partitioner, which then keeps what
 # the forward op returns for backward: y, rstd, the residuals, and x only where h cannot be recovered).
-# The invertibility check runs inside the forward op (no graph break; on CUDA one bool read back per
-# call); where it fails the op returns a flat copy of x (an op's outputs may not alias its inputs),
-# else an empty one: a size known only at run time.
+# Whether x is kept is decided when the call is traced, not in the op: an output whose size the op
+# decides at run time is a data-dependent shape, a graph break per norm without dynamo's
+# capture_dynamic_output_shape_ops. The module's `_invact_keep_x` (the dtypes for which its parameters
+# fail the check, set by the eager check and by the op) is read while tracing, and dynamo guards on it:
+# where it changes, the call is traced again. The op checks the parameters at run time too (on CUDA
+# one bool read back, only where a parameter changed: InvNorm._invertible's cache); a call traced
+# without x whose parameters have become non-invertible since (an optimizer step) keeps its x aside,
+# for its own backward alone (_set_aside), and marks its module, so the next call is traced keeping x.
+_MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> InvNorm, for the op
+_SET_ASIDE = torch.utils.weak.WeakTensorKeyDictionary()  # a call's rstd -> its x (see above)
+
+
+def _known(module: nn.Module) -> None:
+    """Let the op find `module` by id (see _MODULES)."""
+    _MODULES[id(module)] = module
+
+
+def _check(x: torch.Tensor, weight, bias, y_dtype: torch.dtype, variant: str, key: int) -> bool:
+    """invertible() for a traced call of the module whose id is `key`, through its cache where the op
+    got the module's own parameters."""
+    module = _MODULES.get(key)
+    if module is not None:
+        params = module._parameters
+        if params.get("weight") is weight and params.get("bias") is bias:
+            return module._invertible(y_dtype)
+    return invertible(weight, bias, VARIANTS[variant], y_dtype)
 
 
 def _op_forward_impl(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, variant: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, variant: str,
+    keep_x: bool, key: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     v = VARIANTS[variant]
     y, _, rstd, pre = _forward(x, weight, bias, eps, v)
+    # rstd in the compute dtype: torch's CPU layer norm of 16-bit x and weights gives a 16-bit rstd where
+    # its meta kernel (what the fake below runs) says float32 (torch 2.13)
+    rstd = rstd.to(compute_dtype(v, x.dtype))
     residual = encode_residual(pre, y) if pre is not None else x.new_empty(0, dtype=torch.uint8)
-    if invertible(weight, bias, v, y.dtype):
-        return y, rstd, residual, x.new_empty(0)
-    return y, rstd, residual, x.detach().flatten().clone()
+    if keep_x:
+        return y, rstd, residual, x.detach().flatten().clone()
+    if not _check(x, weight, bias, y.dtype, variant, key):
+        _SET_ASIDE[rstd] = x.detach().flatten().clone()
+        module = _MODULES.get(key)
+        if module is not None and y.dtype not in module._invact_keep_x:
+            module._invact_keep_x = (*module._invact_keep_x, y.dtype)
+    return y, rstd, residual, x.new_empty(0)
 
 
 _op_forward = torch.library.custom_op("invact::norm_forward", _op_forward_impl, mutates_args=())
 
 
 @_op_forward.register_fake
-def _(x, weight, bias, eps, variant):
+def _(x, weight, bias, eps, variant, keep_x, key):
     v = VARIANTS[variant]
     y, _, rstd, pre = _forward(x, weight, bias, eps, v)  # torch ops on fake tensors: shapes and dtypes
+    rstd = rstd.to(compute_dtype(v, x.dtype))
     residual = x.new_empty((y.numel() + 1) // 2 if pre is not None else 0, dtype=torch.uint8)
-    kept = torch.library.get_ctx().new_dynamic_size()  # 0, or x's numel where x is kept
-    return y, rstd, residual, x.new_empty(kept)
+    return y, rstd, residual, x.new_empty(x.numel() if keep_x else 0)
 
 
 def _op_backward_impl(
@@ -356,6 +388,8 @@ def _op_backward_impl(
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     v = VARIANTS[variant]
+    if not x_kept.numel():
+        x_kept = _SET_ASIDE.pop(rstd, x_kept)  # a call whose parameters failed the check (see above)
     from_x = x_kept.numel() > 0
     if from_x:
         kept = x_kept.view(y.shape)
@@ -384,7 +418,7 @@ def _(dy, y, rstd, residual, x_kept, weight, bias, variant, x_dtype, needs):
 
 
 def _op_setup_context(ctx, inputs, output):
-    x, weight, bias, _, variant = inputs
+    x, weight, bias, _, variant, _, _ = inputs
     y, rstd, residual, x_kept = output
     ctx.mark_non_differentiable(rstd, residual, x_kept)
     ctx.set_materialize_grads(False)
@@ -401,7 +435,7 @@ def _op_autograd_backward(ctx, dy, *_):
         dy, y, rstd, residual, x_kept, weight, bias, ctx.variant, ctx.x_dtype, needs
     )
     return (dx if needs[0] else None, dw if needs[1] and weight is not None else None,
-            db if needs[2] and bias is not None else None, None, None)  # fmt: skip
+            db if needs[2] and bias is not None else None, None, None, None, None)  # fmt: skip
 
 
 _op_forward.register_autograd(_op_autograd_backward, setup_context=_op_setup_context)
@@ -425,6 +459,8 @@ class InvNorm(nn.Module):
     _invact_eps_name: str
     # (weak references to the parameters, their versions and y's dtype), invertible: see _invertible
     _invact_checked: tuple | None = None
+    # the dtypes of y for which the parameters failed the check when last made: a traced call keeps x
+    _invact_keep_x: tuple = ()
 
     def __init__(
         self, variant: str, weight, bias, eps: float | None, replaces: str = "", eps_name: str | None = None
@@ -437,6 +473,7 @@ class InvNorm(nn.Module):
         setattr(self, self.eps_name, eps)
         self.replaces = replaces
         self._invact_variant, self._invact_eps_name = variant, self.eps_name
+        _known(self)
 
     def __getstate__(self):
         # copies and pickles check afresh: weak references neither pickle nor point at a copy's tensors
@@ -457,6 +494,9 @@ class InvNorm(nn.Module):
             ):
                 return answer
         answer = invertible(w, b, VARIANTS[self._invact_variant], dtype)
+        _known(self)
+        if answer == (dtype in self._invact_keep_x):  # what a traced call keeps follows (see _MODULES)
+            self._invact_keep_x = tuple(d for d in self._invact_keep_x if d != dtype) + (() if answer else (dtype,))
         refs = tuple(None if t is None else weakref.ref(t) for t in (w, b))
         versions = tuple(None if t is None else t._version for t in (w, b))
         self._invact_checked = (refs, versions, dtype, answer)
@@ -479,7 +519,8 @@ class InvNorm(nn.Module):
         ):
             return forward(x, weight, bias, eps, v)[0]
         if torch.compiler.is_compiling():  # traced as the custom op (see _op_forward)
-            return torch.ops.invact.norm_forward(x, weight, bias, eps, self._invact_variant)[0]
+            keep_x = x.dtype in self._invact_keep_x  # a guard: traced again where it changes
+            return torch.ops.invact.norm_forward(x, weight, bias, eps, self._invact_variant, keep_x, id(self))[0]
         return _Norm.apply(x, weight, bias, eps, v, self._invertible)
 
     def invact_repr(self) -> str:
@@ -643,4 +684,6 @@ def invert(module: nn.Module, variant: str) -> InvNorm:
     """Make `module` an InvNorm of `variant` in place, keeping its class's identity (invact.identity):
     the same object, parameters and attributes. Returns it."""
     name = eps_name(module, VARIANTS[variant])
-    return swap(module, InvNorm, _invact_variant=variant, _invact_eps_name=name, _invact_checked=None)
+    swap(module, InvNorm, _invact_variant=variant, _invact_eps_name=name, _invact_checked=None)
+    _known(module)
+    return module

@@ -320,20 +320,6 @@ def test_patch_without_the_gated_path_fuses_the_plain_form_only():
 # Under torch.compile: the gated form's down(y * u) is the custom op invact::gated_linear.
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_gated_linear_op(shape, bias):
-    """opcheck: schema, autograd registration, fake kernel and AOT dispatch with dynamic shapes."""
-    torch.manual_seed(0)
-    y, u = (torch.randn(*SHAPES[shape][:-1], INTERMEDIATE, requires_grad=True) for _ in range(2))
-    weight = torch.randn(HIDDEN, INTERMEDIATE, requires_grad=True)
-    b = torch.randn(HIDDEN, requires_grad=True) if bias else None
-    torch.library.opcheck(torch.ops.invact.gated_linear.default, (y, u, weight, b))
-    dout = torch.randn(*SHAPES[shape][:-1], HIDDEN)
-    args = (dout, y.detach(), u.detach(), weight.detach(), bias)
-    torch.library.opcheck(torch.ops.invact.gated_linear_backward.default, args)
-
-
 def _compiled(model: nn.Module, backend: str = "aot_eager", **patches):
     import torch._functorch.config as functorch_config
 

@@ -240,6 +240,40 @@ def test_compile_fullgraph_runs_the_norm_op_and_matches_eager():
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True))
 
 
+def _saved_by(model, ids) -> int:
+    from invact.memory import count_saved
+
+    with count_saved(model) as counter:
+        model(input_ids=ids)
+    return counter.report.saved_bytes
+
+
+def test_under_compile_a_norm_whose_weight_turns_non_invertible_keeps_x():
+    """A call traced keeping no x, whose norm weight has since gained a zero entry (in place, as an
+    optimizer step changes it), sets its x aside for its own backward: output and gradients are the
+    eager patched model's bitwise (eager keeps x there); and it marks its module, so that the next call
+    is traced keeping that norm's x: one x more saved."""
+    _, inverted = _llama_pair()
+    ids = _ids()
+    weights = torch.randn(BATCH, SEQ, 64, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(inverted, backend="aot_eager", fullgraph=True)
+    _step(compiled, ids, weights)
+    before = _saved_by(compiled, ids)
+    norm = inverted.layers[0].input_layernorm
+    assert norm._invact_keep_x == ()
+    with torch.no_grad():
+        norm.weight[3] = 0.0
+    reference = copy.deepcopy(inverted)
+    want_out, want = _step(reference, ids, weights)
+    got_out, got = _step(compiled, ids, weights)
+    assert norm._invact_keep_x == (torch.float32,)
+    assert torch.equal(got_out, want_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert _saved_by(compiled, ids) == before + BATCH * SEQ * 64 * 4  # the traced call keeps x (fp32)
+    assert torch.equal(_step(compiled, ids, weights)[0], want_out)
+
+
 @pytest.mark.parametrize("label", ["llama", "gpt2"])
 def test_under_compile_patch_saves_less_than_compile_alone(label):
     """The min-cut partitioner inductor uses (aot_eager_decomp_partition) sees the norm as an opaque

@@ -1,12 +1,15 @@
-"""torch.library.opcheck on the registered ops invact::forward and invact::backward, for every
-activation and mode: schema (no hidden mutation or aliasing), autograd registration, fake kernels
-(what torch.compile traces) and AOT dispatch with dynamic shapes."""
+"""torch.library.opcheck on every registered invact op: the activation's invact::forward and
+invact::backward for every activation and mode, the gated MLP's invact::gated_linear and its backward,
+the norm's invact::norm_forward and invact::norm_backward for every variant of the spec: schema (no
+hidden mutation or aliasing), autograd registration, fake kernels (what torch.compile traces) and AOT
+dispatch with dynamic shapes."""
 
 import pytest
 import torch
 
 import invact  # noqa: F401 - registers the ops
 from invact.activations import ACTIVATIONS
+from invact.norm import VARIANTS
 
 NAMES = sorted(ACTIVATIONS)
 
@@ -26,3 +29,41 @@ def test_backward_op(name, precision_bit):
     dy = torch.randn_like(y)
     # inputs that do not require grad: the backward op has no autograd formula (double backward raises)
     torch.library.opcheck(torch.ops.invact.backward.default, (dy, y, bits, name, precision_bit))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("shape", [(5,), (2, 3)], ids=["rows", "batch x seq"])
+def test_gated_linear_ops(shape, bias):
+    torch.manual_seed(0)
+    y, u = (torch.randn(*shape, 24, requires_grad=True) for _ in range(2))
+    weight = torch.randn(12, 24, requires_grad=True)
+    b = torch.randn(12, requires_grad=True) if bias else None
+    torch.library.opcheck(torch.ops.invact.gated_linear.default, (y, u, weight, b))
+    dout = torch.randn(*shape, 12)
+    args = (dout, y.detach(), u.detach(), weight.detach(), bias)
+    torch.library.opcheck(torch.ops.invact.gated_linear_backward.default, args)
+
+
+def _norm_inputs(variant: str, dtype: torch.dtype, weight_dtype: torch.dtype):
+    torch.manual_seed(0)
+    v = VARIANTS[variant]
+    x = torch.randn(2, 3, 16, dtype=dtype, requires_grad=True)
+    weight = (torch.rand(16) + 0.5).to(weight_dtype).requires_grad_()  # |w_eff| away from 0: invertible
+    bias = torch.randn(16, dtype=weight_dtype, requires_grad=True) if v.bias else None
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("keep_x", [False, True], ids=["y kept", "x kept"])
+@pytest.mark.parametrize("weights", ["x's dtype", "float32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_norm_ops(variant, dtype, weights, keep_x):
+    x, weight, bias = _norm_inputs(variant, dtype, dtype if weights == "x's dtype" else torch.float32)
+    args = (x, weight, bias, 1e-5, variant, keep_x, 0)  # key 0: no module (the op checks the weights)
+    torch.library.opcheck(torch.ops.invact.norm_forward.default, args)
+    y, rstd, residual, x_kept = torch.ops.invact.norm_forward(*args)
+    assert x_kept.numel() == (x.numel() if keep_x else 0)
+    # inputs that do not require grad: the backward op has no autograd formula
+    saved = (t if t is None else t.detach() for t in (y, rstd, residual, x_kept, weight, bias))
+    args = (torch.randn_like(y), *saved, variant, x.dtype, [True, True, True])
+    torch.library.opcheck(torch.ops.invact.norm_backward.default, args)
