@@ -58,15 +58,28 @@ def _store_impl(out, r, j, value):
     return store
 
 
+@numba.njit(inline="always")
+def _pre(bits, packed, e):  # pragma: no cover - compiled
+    """invact.norm.decode_residual of one element: bf16 bits (uint16) and element e's nibble of
+    `packed` (element 2i in the low nibble of byte i) give the fp32 y was rounded from, within the
+    middle of its 2^12-unit step."""
+    code = (np.int32(packed[e >> 1]) >> ((e & 1) * 4)) & np.int32(15)
+    # in int32 with wraparound, as the torch ops compute it (numba widens int32 arithmetic to int64)
+    return _i32_as_f32(np.int32((np.int32(bits) << np.int32(16)) + (code << np.int32(12)) - np.int32(0x7800)))
+
+
 @numba.njit(inline="always", fastmath=_FAST)
-def _rows(y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop):  # pragma: no cover - compiled
+def _rows(y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop, packed):  # pragma: no cover - compiled
+    # packed: y's residual nibbles (bf16 y only), or empty: y's values as they are
     d = y.shape[1]
     inv_d = np.float32(1.0) / np.float32(d)
+    residual = packed.size > 0
     for r in range(start, stop):
         s_g = np.float32(0.0)
         s_gh = np.float32(0.0)
         for j in range(d):
-            h = _load(y[r, j]) * scale[j] - shift[j]
+            v = _pre(y[r, j], packed, r * d + j) if residual else _load(y[r, j])
+            h = v * scale[j] - shift[j]
             g = _load(dy[r, j]) * w_eff[j]
             s_g += g
             s_gh += g * h
@@ -74,7 +87,8 @@ def _rows(y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop):  # pr
         m_gh = s_gh * inv_d
         a = rstd[r]
         for j in range(d):
-            h = _load(y[r, j]) * scale[j] - shift[j]
+            v = _pre(y[r, j], packed, r * d + j) if residual else _load(y[r, j])
+            h = v * scale[j] - shift[j]
             g_out = _load(dy[r, j])
             _store(dx, r, j, a * (g_out * w_eff[j] - m_g - h * m_gh))
             acc[0, j] += g_out * h
@@ -82,17 +96,68 @@ def _rows(y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop):  # pr
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FAST)
-def _parallel(y, dy, scale, shift, w_eff, rstd, center, dx, partial):  # pragma: no cover - compiled
+def _parallel(y, dy, scale, shift, w_eff, rstd, center, dx, partial, packed):  # pragma: no cover - compiled
     rows = y.shape[0]
     threads = partial.shape[0]
     per = (rows + threads - 1) // threads
     for t in numba.prange(threads):
-        _rows(y, dy, scale, shift, w_eff, rstd, center, dx, partial[t], t * per, min(rows, (t + 1) * per))
+        _rows(y, dy, scale, shift, w_eff, rstd, center, dx, partial[t], t * per, min(rows, (t + 1) * per),
+              packed)  # fmt: skip
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _serial(y, dy, scale, shift, w_eff, rstd, center, dx, partial):  # pragma: no cover - compiled
-    _rows(y, dy, scale, shift, w_eff, rstd, center, dx, partial[0], 0, y.shape[0])
+def _serial(y, dy, scale, shift, w_eff, rstd, center, dx, partial, packed):  # pragma: no cover - compiled
+    _rows(y, dy, scale, shift, w_eff, rstd, center, dx, partial[0], 0, y.shape[0], packed)
+
+
+@numba.njit(inline="always")
+def _encode_span(pre, bits, out, start, stop):  # pragma: no cover - compiled
+    """Bytes start..stop of invact.norm.encode_residual for bf16: element e's nibble is
+    clamp((pre's pattern - y's pattern + 2^15) >> 12, max 15), low nibble first."""
+    n = pre.size
+    for i in range(start, stop):
+        byte = np.int32(0)
+        for k in range(2):
+            e = 2 * i + k
+            if e < n:
+                # both patterns signed int32 (y's wraps there), their difference exact
+                d = _f32_as_i32(pre[e]) - np.int32(np.int32(bits[e]) << np.int32(16))
+                code = min((d + np.int32(0x8000)) >> np.int32(12), np.int32(15))
+                byte |= (code & np.int32(15)) << (4 * k)
+        out[i] = np.uint8(byte)
+
+
+@numba.njit(parallel=True, cache=True)
+def _encode_parallel(pre, bits, out, threads):  # pragma: no cover - compiled
+    per = (out.size + threads - 1) // threads
+    for t in numba.prange(threads):
+        _encode_span(pre, bits, out, t * per, min(out.size, (t + 1) * per))
+
+
+@numba.njit(cache=True)
+def _encode_serial(pre, bits, out):  # pragma: no cover - compiled
+    _encode_span(pre, bits, out, 0, out.size)
+
+
+def _threads(elements: int) -> int:
+    """As many spans as torch has threads (torch.set_num_threads holds for these ops too), at most
+    numba's (its configured count: numba.get_num_threads() would start its threading layer,
+    keeps_torch_threads); one, on the calling thread, up to SERIAL elements."""
+    return 1 if elements <= SERIAL else max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+@keeps_torch_threads
+def encode_bf16(pre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """invact.norm.encode_residual for a bf16 y rounded from the fp32 `pre` (both contiguous, of one
+    shape), in one pass: ceil(n / 2) bytes, bitwise the torch ops' result."""
+    out = torch.empty((pre.numel() + 1) // 2, dtype=torch.uint8)
+    flat_pre, bits = pre.reshape(-1).numpy(), y.reshape(-1).view(torch.uint16).numpy()
+    threads = _threads(pre.numel())
+    if threads == 1:
+        _encode_serial(flat_pre, bits, out.numpy())
+    else:
+        _encode_parallel(flat_pre, bits, out.numpy(), threads)
+    return out
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -103,10 +168,12 @@ def _array(t: torch.Tensor) -> np.ndarray:
 
 
 @keeps_torch_threads
-def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor, center: bool):
+def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor, center: bool,
+             packed: torch.Tensor | None = None):  # fmt: skip
     """(dx in dy's dtype where that is fp32 or bf16, else fp32; sum over rows of dy h; sum over rows
     of dy) for y and dy of shape (rows, d) (fp32 or bf16 read as they are, others converted), w_eff
-    and bias (d,) or None, rstd (rows, 1). Row sums in fp32, the sums over rows in fp64."""
+    and bias (d,) or None, rstd (rows, 1); `packed`: a bf16 y's residuals (invact.norm.encode_residual),
+    decoded in the pass. Row sums in fp32, the sums over rows in fp64."""
     rows, d = y.shape
     if w_eff is None:
         w = torch.ones(d)
@@ -116,15 +183,13 @@ def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor,
         scale = 1.0 / w
     shift = (bias.float() * scale).contiguous() if bias is not None else torch.zeros(d)
     dx = torch.empty(rows, d, dtype=dy.dtype if dy.dtype == torch.bfloat16 else torch.float32)
-    # as many spans as torch has threads (torch.set_num_threads holds for this op too), at most numba's
-    # (its configured count: numba.get_num_threads() would start its threading layer, keeps_torch_threads)
-    most = numba.config.NUMBA_NUM_THREADS
-    threads = 1 if y.numel() <= SERIAL else max(1, min(torch.get_num_threads(), most))
+    threads = _threads(y.numel())
     # the sums over rows (dweight, dbias) in fp64: in fp32 each thread's running sum over its rows drifted
     # to 9.5x the RMS error of torch's own dweight at 16384 rows (benchmarks/rope_inversion.py, fp32)
     partial = np.zeros((threads, 2, d), dtype=np.float64)
     kernel = _serial if threads == 1 else _parallel
+    residual = np.empty(0, dtype=np.uint8) if packed is None else packed.contiguous().numpy()
     kernel(_array(y), _array(dy), scale.contiguous().numpy(), shift.numpy(), w.numpy(),
-           rstd.float().reshape(rows).contiguous().numpy(), center, _array(dx), partial)  # fmt: skip
+           rstd.float().reshape(rows).contiguous().numpy(), center, _array(dx), partial, residual)  # fmt: skip
     sums = partial.sum(axis=0)
     return dx, torch.from_numpy(sums[0].copy()), torch.from_numpy(sums[1].copy())  # not views of one array

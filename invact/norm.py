@@ -171,6 +171,10 @@ def _bf16_bits(y: torch.Tensor) -> torch.Tensor:
 def encode_residual(pre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The 4-bit rounding residuals of y = pre.to(16-bit), two per byte (element 2i in the low nibble
     of byte i): ceil(n / 2) bytes."""
+    if y.dtype == torch.bfloat16 and y.is_cpu and pre.dtype == torch.float32 and _numba_available():
+        from invact import _norm_cpu
+
+        return _norm_cpu.encode_bf16(pre.contiguous(), y.contiguous())  # the same bytes in one pass
     if y.dtype == torch.bfloat16:
         # bf16 is fp32's top 16 bits rounded: pre's pattern minus y's, d in [-2^15, 2^15] units of
         # fp32's last bit (patterns order like magnitudes, and pre and y share a sign), in 16 steps
@@ -276,6 +280,8 @@ def _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v: Variant)
         return _norm_triton.backward(y, packed, _rows(dy), weight, bias, rstd_c, v.center, v.offset)
     from invact import _norm_cpu
 
+    if residual is not None and kept.dtype == torch.bfloat16:  # decoded in the kernel's pass
+        return _norm_cpu.backward(_rows(kept), _rows(dy), w_eff, bias, rstd_c, v.center, residual)
     y = _rows(kept if residual is None else decode_residual(kept, residual))
     return _norm_cpu.backward(y, _rows(dy), w_eff, bias, rstd_c, v.center)
 

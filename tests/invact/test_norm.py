@@ -414,3 +414,45 @@ def test_triton_backend_gives_the_cpu_backends_gradients(variant, dtype, monkeyp
     )
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() <= tol
+
+
+@pytest.mark.parametrize("n", [1, 7, 100_001])  # odd sizes: a lone last nibble; over SERIAL: parallel
+def test_cpu_residual_encoding_gives_the_torch_ops_bytes(n, monkeypatch):
+    """encode_residual's one-pass numba kernel (bf16 on CPU) writes the bytes of the torch ops it
+    replaces, negative values and ties included."""
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(n)
+    pre = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
+    pre[: n // 2] = (pre[: n // 2].to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)
+    y = pre.to(torch.bfloat16)
+    fast = norm.encode_residual(pre, y)
+    monkeypatch.setattr(norm, "_numba_available", lambda: False)
+    assert torch.equal(fast, norm.encode_residual(pre, y))
+
+
+@pytest.mark.parametrize("rows", [7, 1024])  # the serial kernel, and the parallel one (over SERIAL)
+def test_cpu_kernel_decodes_residuals_in_its_pass(rows):
+    """Given a bf16 y and its residuals, the CPU backward decodes them element by element: dweight and
+    dbias are bitwise those of the kernel run on the decoded fp32 y, and dx (fp32 here) within twice
+    the kernel's own rounding bound (test_fused_backwards_within_fp32_rounding_of_the_formula): the
+    two compiled loops may sum a row in different orders."""
+    pytest.importorskip("numba")
+    from invact import _norm_cpu
+
+    g = torch.Generator().manual_seed(rows)
+    d = 96
+    pre = torch.randn(rows, d, generator=g) * 2
+    y = pre.bfloat16()
+    packed = norm.encode_residual(pre, y)
+    decoded = norm.decode_residual(y, packed)
+    dy = torch.randn(rows, d, generator=g)
+    w, b = torch.rand(d, generator=g) + 0.5, torch.randn(d, generator=g) * 0.1
+    rstd = torch.rand(rows, 1, generator=g) + 0.5
+    for center in (False, True):
+        dx, dw, db = _norm_cpu.backward(y, dy, w, b, rstd, center, packed)
+        dx0, dw0, db0 = _norm_cpu.backward(decoded, dy, w, b, rstd, center)
+        assert torch.equal(dw, dw0) and torch.equal(db, db0)
+        h = (decoded.double() - b.double()) / w.double()
+        gd = dy.double() * w.double()
+        terms = gd.abs() + gd.abs().mean(-1, keepdim=True) + h.abs() * (gd * h).abs().mean(-1, keepdim=True)
+        assert ((dx.double() - dx0.double()).abs() <= 2 * (4 + d) * U32 * rstd.double() * terms).all()
