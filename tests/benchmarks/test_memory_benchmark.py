@@ -50,3 +50,26 @@ def test_bad_arguments(tmp_path):
         [sys.executable, script, "--only", "resnet"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and "matches none of" in proc.stderr
+
+
+def _cases():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory import CASES
+
+    return {c.name: c for c in CASES}
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_a_patched_model_compiles_without_graph_breaks(name):
+    """torch._dynamo.explain on the patched tiny config of every memory.py row: one graph, no break."""
+    import torch
+
+    import invact
+    from memory import _Call
+
+    torch.manual_seed(0)
+    model, inputs = _cases()[name].build(True)
+    invact.patch(model.train())
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_Call(model, inputs))()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
