@@ -206,6 +206,68 @@ def _gated_linear_autograd(ctx, dout):
 gated_linear.register_autograd(_gated_linear_autograd, setup_context=_gated_linear_setup)
 
 
+# A fused gate_up (Phi-3's MLP: gate, up = gate_up(x).chunk(2, -1)) under torch.compile: down(act(gate)
+# * up) as one op that saves gate_up's output, whose halves eager's gated path keeps too (y and u moved
+# into that storage, plus the bits), and recomputes act(gate) with torch's own activation in backward
+# (f' from the activation's float64 view). An InvAct op on the chunk would keep a new y beside the whole
+# gate_up output that u keeps; the multiply and down projection in the graph would keep the product
+# too (see gated_linear).
+def _gate_up_linear_impl(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str) -> torch.Tensor:  # fmt: skip
+    """F.linear(act(g) * u, weight, bias) for g, u = gate_up.chunk(2, -1): gate_up (..., 2k), weight
+    (n, k), act torch's activation `activation` (a name in invact.activations.ACTIVATIONS)."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.linear(u * ACTIVATIONS[activation].torch_forward(g), weight, bias)
+
+
+def _gate_up_linear_backward_impl(dout: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor,
+                                  bias_grad: bool, activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dgate_up, dweight, dbias) of _gate_up_linear_impl; dbias empty where there is no bias."""
+    g, u = gate_up.chunk(2, dim=-1)
+    act = ACTIVATIONS[activation]
+    y = act.torch_forward(g)  # bitwise the forward's
+    rows = dout.reshape(-1, dout.shape[-1])
+    dweight = rows.t().mm((u * y).reshape(-1, y.shape[-1]))
+    dbias = rows.sum(0) if bias_grad else rows.new_empty(0)
+    dh = dout.matmul(weight)
+    # f'(g) in float64 (the generated view's exact derivative), rounded once: an op's body runs below
+    # autograd, so torch's own derivative formula is not at hand here
+    dg = (dh * u) * act.df(g.double()).to(g.dtype)
+    return torch.cat([dg, dh * y], dim=-1), dweight, dbias
+
+
+gate_up_linear = torch.library.custom_op("invact::gate_up_linear", _gate_up_linear_impl, mutates_args=())
+_gate_up_linear_backward = torch.library.custom_op(
+    "invact::gate_up_linear_backward", _gate_up_linear_backward_impl, mutates_args=()
+)
+
+
+@gate_up_linear.register_fake
+def _(gate_up, weight, bias, activation):
+    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
+
+
+@_gate_up_linear_backward.register_fake
+def _(dout, gate_up, weight, bias_grad, activation):
+    return (torch.empty_like(gate_up), torch.empty_like(weight),
+            dout.new_empty(weight.shape[0] if bias_grad else 0))  # fmt: skip
+
+
+def _gate_up_linear_setup(ctx, inputs, output) -> None:
+    gate_up, weight, bias, activation = inputs
+    ctx.bias_grad, ctx.activation = bias is not None, activation
+    ctx.save_for_backward(gate_up, weight)
+
+
+def _gate_up_linear_autograd(ctx, dout):
+    gate_up, weight = ctx.saved_tensors
+    dgate_up, dweight, dbias = _gate_up_linear_backward(dout, gate_up, weight, ctx.bias_grad, ctx.activation)
+    return dgate_up, dweight, dbias if ctx.bias_grad else None, None
+
+
+gate_up_linear.register_autograd(_gate_up_linear_autograd, setup_context=_gate_up_linear_setup)
+
+
 class Pattern(NamedTuple):
     """The children of a recognised MLP, by name: `gate` None for the plain form; `up_first`: the
     forward calls up before gate."""
@@ -215,6 +277,7 @@ class Pattern(NamedTuple):
     act: str
     down: str
     up_first: bool = False
+    chunked: bool = False  # gate and up are the halves of one projection (`up` names it, `gate` too)
 
 
 class _OneLevel(torch.fx.Tracer):
@@ -245,7 +308,7 @@ def match(module: nn.Module) -> Pattern | None:
         return None
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
-    if len(inputs) != 1 or any(n.kwargs for n in nodes if n.op != "output"):
+    if len(inputs) != 1 or any(n.kwargs and not _halves(n) for n in nodes if n.op != "output"):
         return None
     x, children = inputs[0], module._modules
 
@@ -270,12 +333,46 @@ def match(module: nn.Module) -> Pattern | None:
                                 nodes.index(b) < nodes.index(gate))  # fmt: skip
                 if None not in found and len(h.users) == 1:
                     break
+    elif len(nodes) == 9 and h.op == "call_function" and h.target in _MULTIPLY and len(h.args) == 2:
+        found = _chunked(h, x, called, down)
+    if found is not None and found.chunked:
+        linear = [found.up, found.down]
+        ok = None not in found and isinstance(children[found.act], InvAct)
+        return found if ok and all(type(children[n]) is nn.Linear for n in linear) else None
     if found is None or None in (found.up, found.act, found.down) or found.up == found.gate:
         return None
     linear = [found.up, found.down] + ([] if found.gate is None else [found.gate])
     if not isinstance(children[found.act], InvAct) or any(type(children[n]) is not nn.Linear for n in linear):
         return None
     return found
+
+
+def _halves(node: torch.fx.Node) -> bool:
+    """`node` is t.chunk(2, dim=-1) (or chunk(2, -1)): a fused gate_up output split in its halves."""
+    if node.op != "call_method" or node.target != "chunk":
+        return False
+    args = (*node.args[1:], *node.kwargs.values())
+    return len(node.args) >= 2 and args == (2, -1) and set(node.kwargs) <= {"dim"}
+
+
+def _chunked(h: torch.fx.Node, x: torch.fx.Node, called, down: torch.fx.Node) -> Pattern | None:
+    """The Pattern of down(act(g) * u) (either operand order) with g, u = gate_up(x).chunk(2, -1), h
+    the multiply (Phi-3's MLP); None for anything else."""
+    for a, b in (h.args, h.args[::-1]):
+        if not (isinstance(a, torch.fx.Node) and a.op == "call_module" and len(a.args) == 1):
+            continue
+        g, u = a.args[0], b
+        if not all(isinstance(n, torch.fx.Node) and n.target is operator.getitem and len(n.users) == 1
+                   for n in (g, u)):  # fmt: skip
+            continue
+        halves = g.args[0]
+        if u.args[0] is not halves or (g.args[1], u.args[1]) != (0, 1) or not _halves(halves):
+            continue
+        if len(halves.users) != 2 or len(h.users) != 1:
+            continue
+        gate_up = called(halves.args[0], x)
+        return Pattern(gate_up, gate_up, called(a, g), called(down, h), chunked=True)
+    return None
 
 
 _GLOBAL_HOOKS = tuple(
@@ -305,6 +402,18 @@ def _parameters(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, to
     if type(w) not in _LEAF_PARAMETER or w.dtype is not dtype or (b is not None and b.dtype is not dtype):
         return None
     return w, b
+
+
+def _cast_for(down: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """down's (weight, bias), cast as F.linear's autocast casts them for an input like x, which an op
+    (no autocast kernel) does not."""
+    weight, bias = down.weight, down.bias
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        compute = torch.get_autocast_dtype(device)
+        weight = weight.to(compute)
+        bias = bias if bias is None else bias.to(compute)
+    return weight, bias
 
 
 class Forward:
@@ -345,7 +454,7 @@ class Forward:
         the module's own forward where down is no longer a plain nn.Linear, for the plain form (the
         activation's op saves y, which down keeps too) and for any other call."""
         module = self.module
-        children, (up, gate, act, down, up_first) = module._modules, self.pattern
+        children, (up, gate, act, down, up_first, chunked) = module._modules, self.pattern
         down = children[down]
         if (
             gate is None
@@ -359,6 +468,12 @@ class Forward:
         ):
             return type(module).forward(module, *args, **kwargs)
         x = args[0]
+        if chunked:  # the fused gate_up's output, then the rest as one op (see gate_up_linear)
+            gate_up = children[up](x)
+            weight, bias = _cast_for(down, gate_up)
+            if gate_up.dtype is not weight.dtype or gate_up.shape[-1] % 2:
+                return type(module).forward(module, *args, **kwargs)
+            return gate_up_linear(gate_up, weight, bias, children[act].activation)
         if up_first:
             u = children[up](x)
             g = children[gate](x)
@@ -366,12 +481,7 @@ class Forward:
             g = children[gate](x)
             u = children[up](x)
         y = children[act](g)
-        weight, bias = down.weight, down.bias
-        device = y.device.type
-        if torch.is_autocast_enabled(device):  # F.linear's casts, which the op (no autocast kernel) skips
-            compute = torch.get_autocast_dtype(device)
-            weight = weight.to(compute)
-            bias = bias if bias is None else bias.to(compute)
+        weight, bias = _cast_for(down, y)
         if y.dtype is not u.dtype or y.dtype is not weight.dtype:
             return down(y * u)
         return gated_linear(y, u, weight, bias)
@@ -379,7 +489,8 @@ class Forward:
     def _fused(self, x) -> torch.Tensor | None:
         """The Function's output, or None where it does not serve this call."""
         if (
-            not isinstance(x, torch.Tensor)
+            self.pattern.chunked  # eager: the module's forward under the gated hooks
+            or not isinstance(x, torch.Tensor)
             or _is_wrapped(x)
             or not x.is_floating_point()
             or x.dim() not in (2, 3)  # F.linear runs a bias-free 4-D input by matmul, a biased by add
@@ -393,7 +504,7 @@ class Forward:
                 compute = torch.get_autocast_dtype(device)  # what F.linear casts x and the weights to
                 if compute is not dtype and dtype is not torch.float32:
                     return None  # autocast casts float32 alone
-        children, (up, gate, act, down, _) = self.module._modules, self.pattern
+        children, (up, gate, act, down, *_) = self.module._modules, self.pattern
         act = children[act]
         if not isinstance(act, InvAct) or type(act).forward is not InvAct.forward or not _bare(act):
             return None
@@ -419,7 +530,10 @@ class FusedMLP(nn.Module):
 
     def invact_repr(self) -> str:
         forward = self.__dict__.get("forward")
-        form = "gated" if isinstance(forward, Forward) and forward.pattern.gate is not None else "plain"
+        pattern = forward.pattern if isinstance(forward, Forward) else None
+        if pattern is not None and pattern.chunked:
+            return repr("gated MLP of a fused gate_up: one op under torch.compile")
+        form = "gated" if pattern is not None and pattern.gate is not None else "plain"
         return repr(f"{form} MLP as one Function")
 
 

@@ -1,5 +1,6 @@
 """torch.library.opcheck on every registered invact op: the activation's invact::forward and
-invact::backward for every activation and mode, the gated MLP's invact::gated_linear and its backward,
+invact::backward for every activation and mode, the gated MLP's invact::gated_linear and
+invact::gate_up_linear (a fused gate_up) with their backwards,
 the norm's invact::norm_forward and invact::norm_backward for every variant of the spec: schema (no
 hidden mutation or aliasing), autograd registration, fake kernels (what torch.compile traces) and AOT
 dispatch with dynamic shapes."""
@@ -67,3 +68,14 @@ def test_norm_ops(variant, dtype, weights, keep_x):
     saved = (t if t is None else t.detach() for t in (y, rstd, residual, x_kept, weight, bias))
     args = (torch.randn_like(y), *saved, variant, x.dtype, [True, True, True])
     torch.library.opcheck(torch.ops.invact.norm_backward.default, args)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+def test_gate_up_linear_ops(bias):
+    torch.manual_seed(0)
+    gate_up = torch.randn(2, 3, 48, requires_grad=True)
+    weight = torch.randn(12, 24, requires_grad=True)
+    b = torch.randn(12, requires_grad=True) if bias else None
+    torch.library.opcheck(torch.ops.invact.gate_up_linear.default, (gate_up, weight, b, "silu"))
+    args = (torch.randn(2, 3, 12), gate_up.detach(), weight.detach(), bias, "silu")
+    torch.library.opcheck(torch.ops.invact.gate_up_linear_backward.default, args)
