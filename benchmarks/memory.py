@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -455,8 +454,12 @@ def markdown(rows: list[dict], budget: float) -> str:
             "norms held", "Liger RMSNorm (computed)"]  # fmt: skip
     has_compile = "compile_default" in rows[0]
     if has_compile:
-        head += ["torch.compile", f"torch.compile, budget {budget}", "torch.compile + patch()",
-                 f"torch.compile + patch(), budget {budget}"]
+        head += [
+            "torch.compile",
+            f"torch.compile, budget {budget}",
+            "torch.compile + patch()",
+            f"torch.compile + patch(), budget {budget}",
+        ]
     head += ["ideal", "achieved / ideal", "gated ideal", "gated achieved / ideal", "paper"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -479,6 +482,41 @@ def markdown(rows: list[dict], budget: float) -> str:
     return "\n".join(lines)
 
 
+# The rows the README's memory table shows (the paper's models, GPT-2 and one of each decoder family).
+README_ROWS = (
+    "BERT-base",
+    "AST",
+    "ViT-B/16",
+    "CLIP ViT-L/14",
+    "GPT-2 (gelu_new)",
+    "Llama-style SwiGLU (8 x 1024)",
+    "Qwen3 (4 x 512)",
+    "Gemma2 (GeGLU, tanh-GELU, eager attention) (4 x 512)",
+    "Phi-3 (fused gate_up_proj) (4 x 512)",
+    "Mixtral (8 experts, top-2) (4 x 512)",
+    "Qwen3-MoE (8 experts, top-2) (4 x 512)",
+)
+
+
+def readme_table(rows: list[dict], budget: float) -> str:
+    """The README's memory table, from a result's rows (README_ROWS, in their order)."""
+    head = ["model", "input", "torch eager", "invact", "invact, no norms", "torch.compile",
+            "torch.compile + invact", f"torch.compile, budget {budget}",
+            f"torch.compile + invact, budget {budget}", "paper"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by_name = {r["model"]: r for r in rows}
+    for name in README_ROWS:
+        r = by_name[name]
+        base = r["torch_eager"]
+        paper = f"{r['paper_percent']:+.1f}%" if r["paper_percent"] is not None else ""
+        cells = [name, r["setup"], f"{base / 2**20:.0f} MiB", _pct(r["invact_patch"], base),
+                 _pct(r["invact_gated"], base), _pct(r["compile_default"], base),
+                 _pct(r["compile_patch"], base), _pct(r["compile_budget"], base),
+                 _pct(r["compile_patch_budget"], base), paper]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny configs: a smoke run for CI")
@@ -494,25 +532,47 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the causal LMs called with labels instead (default stem memory_lm_cpu[_bfloat16])",
     )
+    parser.add_argument("--update", action="store_true",
+                        help="measure the --only rows again and replace them in the existing result, "
+                             "which notes them as re-measured")  # fmt: skip
+    parser.add_argument("--readme", action="store_true",
+                        help="print the README's table from the existing result and exit")  # fmt: skip
     args = parser.parse_args(argv)
     if not 0 < args.budget <= 1:
         parser.error("--budget must be in (0, 1]")
     if args.lm:
         return _main_lm(args)
+    stem = args.out or RESULTS / ("memory_cpu" if args.dtype == "float32" else f"memory_cpu_{args.dtype}")
+    if args.readme:
+        result = json.loads(stem.with_suffix(".json").read_text())
+        print(readme_table(result["rows"], result["settings"]["budget"]))
+        return 0
     cases = [c for c in CASES if not args.only or any(w.lower() in c.name.lower() for w in args.only)]
     if not cases:
         parser.error(f"--only {args.only} matches none of: {', '.join(c.name for c in CASES)}")
+    if args.update and not (args.only and stem.with_suffix(".json").exists()):
+        parser.error(f"--update needs --only and an existing {stem.with_suffix('.json')}")
     rows = []
     for case in cases:
         t0 = time.perf_counter()
         rows.append(measure(case, args.small, not args.no_compile, args.budget, getattr(torch, args.dtype)))
         print(f"measured {case.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-    table = markdown(rows, args.budget)
-    print("\n" + table)
     import transformers
 
+    from timing import device_name
+
+    remeasured = []
+    if args.update:
+        earlier = json.loads(stem.with_suffix(".json").read_text())
+        if earlier["settings"]["budget"] != args.budget or earlier["settings"]["small"] != args.small:
+            parser.error("--update: the existing result has another --budget or --small")
+        fresh = {r["model"]: r for r in rows}
+        remeasured = sorted(set(earlier["settings"].get("remeasured", [])) | set(fresh))
+        rows = [fresh.get(r["model"], r) for r in earlier["rows"]]
+    table = markdown(rows, args.budget)
+    print("\n" + table)
     result = {
-        "device": f"cpu: {platform.processor() or platform.machine()}",
+        "device": device_name("cpu"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "settings": {
@@ -523,10 +583,10 @@ def main(argv: list[str] | None = None) -> int:
             "attention": "sdpa",
             "dropout": 0.0,
             "compile_backend": "aot_eager_decomp_partition",
+            **({"remeasured": remeasured} if remeasured else {}),
         },  # fmt: skip
         "rows": rows,
     }
-    stem = args.out or RESULTS / ("memory_cpu" if args.dtype == "float32" else f"memory_cpu_{args.dtype}")
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(table + "\n")

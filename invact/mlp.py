@@ -164,8 +164,9 @@ def _gated_linear_impl(y: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
     return F.linear(y * u, weight, bias)
 
 
-def _gated_linear_backward_impl(dout: torch.Tensor, y: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
-                                bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _gated_linear_backward_impl(
+    dout: torch.Tensor, y: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dy, du, dweight, dbias) of _gated_linear_impl; dbias empty where there is no bias."""
     rows = dout.reshape(-1, dout.shape[-1])
     dweight = rows.t().mm((y * u).reshape(-1, y.shape[-1]))  # the product, recomputed
@@ -220,8 +221,9 @@ def _gate_up_linear_impl(gate_up: torch.Tensor, weight: torch.Tensor, bias: torc
     return F.linear(u * ACTIVATIONS[activation].torch_forward(g), weight, bias)
 
 
-def _gate_up_linear_backward_impl(dout: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor,
-                                  bias_grad: bool, activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _gate_up_linear_backward_impl(
+    dout: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor, bias_grad: bool, activation: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dgate_up, dweight, dbias) of _gate_up_linear_impl; dbias empty where there is no bias."""
     g, u = gate_up.chunk(2, dim=-1)
     act = ACTIVATIONS[activation]

@@ -502,7 +502,8 @@ class InvNorm(nn.Module):
         answer = invertible(w, b, VARIANTS[self._invact_variant], dtype)
         _known(self)
         if answer == (dtype in self._invact_keep_x):  # what a traced call keeps follows (see _MODULES)
-            self._invact_keep_x = tuple(d for d in self._invact_keep_x if d != dtype) + (() if answer else (dtype,))
+            others = tuple(d for d in self._invact_keep_x if d != dtype)
+            self._invact_keep_x = others if answer else (*others, dtype)
         refs = tuple(None if t is None else weakref.ref(t) for t in (w, b))
         versions = tuple(None if t is None else t._version for t in (w, b))
         self._invact_checked = (refs, versions, dtype, answer)
@@ -526,7 +527,8 @@ class InvNorm(nn.Module):
             return forward(x, weight, bias, eps, v)[0]
         if torch.compiler.is_compiling():  # traced as the custom op (see _op_forward)
             keep_x = x.dtype in self._invact_keep_x  # a guard: traced again where it changes
-            return torch.ops.invact.norm_forward(x, weight, bias, eps, self._invact_variant, keep_x, id(self))[0]
+            op = torch.ops.invact.norm_forward
+            return op(x, weight, bias, eps, self._invact_variant, keep_x, id(self))[0]
         return _Norm.apply(x, weight, bias, eps, v, self._invertible)
 
     def invact_repr(self) -> str:

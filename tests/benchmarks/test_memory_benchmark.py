@@ -63,9 +63,9 @@ def _cases():
 def test_a_patched_model_compiles_without_graph_breaks(name):
     """torch._dynamo.explain on the patched tiny config of every memory.py row: one graph, no break."""
     import torch
+    from memory import _Call
 
     import invact
-    from memory import _Call
 
     torch.manual_seed(0)
     model, inputs = _cases()[name].build(True)

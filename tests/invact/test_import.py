@@ -72,7 +72,7 @@ def test_no_import_circle():
         active.append(name)
         for dep in sorted(graph.get(name, ())):
             if dep in active:
-                circles.append(" -> ".join(active[active.index(dep):] + [dep]))
+                circles.append(" -> ".join(active[active.index(dep) :] + [dep]))
             elif dep not in done:
                 visit(dep)
         active.pop()
