@@ -1,16 +1,17 @@
 """An MLP block as one autograd Function, for the host time a small layer waits for.
 
-Two forwards are recognised, by the module's traced graph (torch.fx, one level deep), not by class
-name: gated, down(act(gate(x)) * up(x)) (Llama's MLP and its many copies), and plain, down(act(up(x)))
-(nn.Sequential(Linear, act, Linear); CLIP's, GPT-NeoX's and Phi's MLPs), with act an InvAct and the
-projections plain nn.Linear. `fuse` sets a Forward on such a module: its calls run the projections,
-the activation and the multiply as one Function whose one Python node in backward replaces five
-autograd nodes (three for the plain form), and which saves what the modules save without the gated
-product h = y * u: x, y = act(g) with its bits, u, and the weights (h is recomputed in backward, as
-invact.gated's hooks recompute it, without their Python call per saved tensor). Measured on a 2-core
-Intel Xeon (AVX-512), 1 thread, benchmarks/host_time.py --rounds 41, forward + backward at batch 4
-(torch's modules = 1): SwiGLU MLP 16-32-16 with the gated hooks 1.90x, as this Function 1.15x; the plain
-MLP 16-64-16 1.12x.
+Three forwards are recognised, by the module's traced graph (torch.fx, one level deep), not by class
+name: gated, down(act(gate(x)) * up(x)) (Llama's MLP and its many copies), plain, down(act(up(x)))
+(nn.Sequential(Linear, act, Linear); CLIP's, GPT-NeoX's and Phi's MLPs), and a fused gate_up,
+down(act(g) * u) with g, u = gate_up(x).chunk(2, -1) (Phi-3's; under torch.compile only, below), with
+act an InvAct and the projections plain nn.Linear. `fuse` sets a Forward on such a module: its calls run
+the projections, the activation and the multiply as one Function whose one Python node in backward
+replaces five autograd nodes (three for the plain form), and which saves what the modules save without
+the gated product h = y * u: x, y = act(g) with its bits, u, and the weights (h is recomputed in
+backward, as invact.gated's hooks recompute it, without their Python call per saved tensor). Measured on
+a 2-core Intel Xeon (AVX-512), 1 thread, benchmarks/host_time.py --rounds 41, forward + backward at
+batch 4 (torch's modules = 1): SwiGLU MLP 16-32-16 with the gated hooks 1.90x, as this Function 1.15x;
+the plain MLP 16-64-16 1.12x.
 
 Forward: F.linear for the projections, invact's forward for act (the backend InvAct's eager path
 takes), a multiply: the modules' own ops on the same operands, so the output is bitwise theirs.
@@ -27,8 +28,13 @@ one per projection, as autocast caches only a leaf's cast) and the weights uncas
 backward), and casts each gradient back, as the cast ops' backward does; bitwise the modules'
 gradients under the same autocast, x a leaf or not.
 
+Under torch.compile the gated form runs its modules' projections and activation, then down(y * u) as
+the custom op invact::gated_linear; a fused gate_up (Phi-3's MLP, recognised too, with no eager
+Function) runs gate_up(x), then invact::gate_up_linear; the plain form runs the module's forward (the
+activation's op saves the y the down projection keeps). Both ops are defined below.
+
 A call the Function does not take runs the module's own forward (under invact.gated's recompute
-hooks for the gated form): under torch.compile (whose partitioner decides what to save), inside
+hooks for the gated form): under torch.compile (above), inside
 torch.func transforms, under autocast of a dtype autocast does not cast, with keyword arguments,
 with hooks on a child or global module hooks, a child that is no longer a plain nn.Linear (PEFT's
 LoRA wraps it after patch()), a 4-D or strided input, or dtypes that differ.

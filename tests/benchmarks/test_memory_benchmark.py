@@ -73,3 +73,45 @@ def test_a_patched_model_compiles_without_graph_breaks(name):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(_Call(model, inputs))()
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
+def test_the_readme_memory_table_is_the_committed_result():
+    """The README's memory table is what `python benchmarks/memory.py --readme` prints from
+    benchmarks/results/memory_cpu.json."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory import readme_table
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "memory_cpu.json").read_text())
+    assert readme_table(result["rows"], result["settings"]["budget"]) in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("stem", ["memory_cpu", "memory_cpu_bfloat16"])
+def test_the_committed_memory_tables_are_their_json(stem):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory import markdown
+
+    result = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
+    table = markdown(result["rows"], result["settings"]["budget"])
+    assert (ROOT / "benchmarks" / "results" / f"{stem}.md").read_text() == table + "\n"
+
+
+# Within 1% of eager patch()'s bytes: what the compile-native ops promise where invact owns every
+# op that saves (the gated MLP recognised, the norms, the activations); measured on the full rows.
+COMPILE_SLACK = 1.01
+
+
+def test_small_compiled_rows_keep_the_eager_saving(tmp_path):
+    """memory.py's compile columns on the tiny Llama-style and Phi-3 (fused gate_up) configs: compile +
+    patch() holds no more than eager patch() (within COMPILE_SLACK) and less than compile alone, and at
+    the activation budget no more than the budget alone."""
+    stem = tmp_path / "memory"
+    script = str(ROOT / "benchmarks" / "memory.py")
+    cmd = [sys.executable, script, "--small", "--only", "Llama", "Phi-3", "--out", str(stem)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["compile_patch"] <= COMPILE_SLACK * r["invact_patch"], r["model"]
+        assert r["compile_patch"] < r["compile_default"], r["model"]
+        assert r["compile_patch_budget"] <= r["compile_budget"], r["model"]
