@@ -68,17 +68,32 @@ def _pre(bits, packed, e):  # pragma: no cover - compiled
     return _i32_as_f32(np.int32((np.int32(bits) << np.int32(16)) + (code << np.int32(12)) - np.int32(0x7800)))
 
 
+def _value(y, packed, r, j, d):  # pragma: no cover - replaced by the overload below in compiled code
+    """Element (r, j) of y as fp32: with `packed` (a bf16 y's residual nibbles) the fp32 y was rounded
+    from, else y's own value."""
+
+
+@overload(_value, inline="always")
+def _value_impl(y, packed, r, j, d):
+    # specialized when compiled: a kernel without residuals has no branch in its loops (with a run-time
+    # test there the fp32 LayerNorm backward took 9.5 ms against 6.8 ms, 4096 x 1024, 1 thread, Zen 4)
+    if isinstance(packed, types.NoneType):
+        return lambda y, packed, r, j, d: _load(y[r, j])
+    return lambda y, packed, r, j, d: _pre(y[r, j], packed, r * d + j)
+
+
 @numba.njit(inline="always", fastmath=_FAST)
-def _rows(y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop, packed):  # pragma: no cover - compiled
-    # packed: y's residual nibbles (bf16 y only), or empty: y's values as they are
+def _rows(
+    y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop, packed
+):  # pragma: no cover - compiled
+    # packed: y's residual nibbles (bf16 y only), or None: y's values as they are
     d = y.shape[1]
     inv_d = np.float32(1.0) / np.float32(d)
-    residual = packed.size > 0
     for r in range(start, stop):
         s_g = np.float32(0.0)
         s_gh = np.float32(0.0)
         for j in range(d):
-            v = _pre(y[r, j], packed, r * d + j) if residual else _load(y[r, j])
+            v = _value(y, packed, r, j, d)
             h = v * scale[j] - shift[j]
             g = _load(dy[r, j]) * w_eff[j]
             s_g += g
@@ -87,7 +102,7 @@ def _rows(y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop, packed
         m_gh = s_gh * inv_d
         a = rstd[r]
         for j in range(d):
-            v = _pre(y[r, j], packed, r * d + j) if residual else _load(y[r, j])
+            v = _value(y, packed, r, j, d)
             h = v * scale[j] - shift[j]
             g_out = _load(dy[r, j])
             _store(dx, r, j, a * (g_out * w_eff[j] - m_g - h * m_gh))
@@ -188,8 +203,9 @@ def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor,
     # to 9.5x the RMS error of torch's own dweight at 16384 rows (benchmarks/rope_inversion.py, fp32)
     partial = np.zeros((threads, 2, d), dtype=np.float64)
     kernel = _serial if threads == 1 else _parallel
-    residual = np.empty(0, dtype=np.uint8) if packed is None else packed.contiguous().numpy()
-    kernel(_array(y), _array(dy), scale.contiguous().numpy(), shift.numpy(), w.numpy(),
-           rstd.float().reshape(rows).contiguous().numpy(), center, _array(dx), partial, residual)  # fmt: skip
+    residual = None if packed is None else packed.contiguous().numpy()
+    rstd = rstd.float().reshape(rows).contiguous().numpy()
+    kernel(_array(y), _array(dy), scale.contiguous().numpy(), shift.numpy(), w.numpy(), rstd, center,
+           _array(dx), partial, residual)  # fmt: skip
     sums = partial.sum(axis=0)
     return dx, torch.from_numpy(sums[0].copy()), torch.from_numpy(sums[1].copy())  # not views of one array
