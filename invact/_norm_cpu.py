@@ -6,7 +6,8 @@ the write a fused norm backward needs (the row is read twice, from cache).
 Per row, with h = y scale - shift (scale = 1 / w_eff, shift = b / w_eff) and g = dy w_eff:
     dx = rstd (g - [mean g] - h mean(g h))      ([mean g] only where the norm centers: LayerNorm)
 in fp32, the row sums in fp32 (reassociated for vector lanes: the sum over d elements is within d
-roundings of the exact one, as a sequential sum is), the sums over rows for dweight and dbias in fp64.
+roundings of the exact one, as a sequential sum is), the sums over rows for dweight and dbias in fp64
+(of fp32 sums over blocks of BLOCK rows).
 Compiled with cache=True (numba's disk cache), on first use; imported by invact.norm only when a CPU
 backward runs and numba is installed. Up to SERIAL elements the serial kernel runs on the calling
 thread (no parallel region: see invact._numba).
@@ -24,6 +25,7 @@ from invact._cpu_math import _f32_as_i32, _i32_as_f32
 from invact._numba import SERIAL, keeps_torch_threads
 
 _FAST = {"reassoc", "contract"}  # vectorized row sums and FMAs; no approximate division or functions
+BLOCK = 16  # rows whose dweight and dbias terms are summed in fp32 before the fp64 sums (_rows)
 
 
 def _load(v):  # pragma: no cover - replaced by the overload below in compiled code
@@ -86,9 +88,14 @@ def _value_impl(y, packed, r, j, d):
 def _rows(
     y, dy, scale, shift, w_eff, rstd, center, dx, acc, start, stop, packed
 ):  # pragma: no cover - compiled
-    # packed: y's residual nibbles (bf16 y only), or None: y's values as they are
+    # packed: y's residual nibbles (bf16 y only), or None: y's values as they are. The sums over rows
+    # (dweight, dbias) gather BLOCK rows in fp32, then go into the fp64 `acc`: an fp64 add per element
+    # took a third of the kernel's time (4096 x 1024 fp32, 1 thread, AMD EPYC Zen 4: 4.4 ms against
+    # 3.9 ms in blocks of 16, 2.8 ms without the sums), and BLOCK fp32 terms add at most BLOCK - 1
+    # roundings, where one fp32 sum over every row drifted (see backward).
     d = y.shape[1]
     inv_d = np.float32(1.0) / np.float32(d)
+    block = np.zeros((2, d), dtype=np.float32)
     for r in range(start, stop):
         s_g = np.float32(0.0)
         s_gh = np.float32(0.0)
@@ -106,8 +113,14 @@ def _rows(
             h = v * scale[j] - shift[j]
             g_out = _load(dy[r, j])
             _store(dx, r, j, a * (g_out * w_eff[j] - m_g - h * m_gh))
-            acc[0, j] += g_out * h
-            acc[1, j] += g_out
+            block[0, j] += g_out * h
+            block[1, j] += g_out
+        if (r - start) % BLOCK == BLOCK - 1 or r == stop - 1:
+            for j in range(d):
+                acc[0, j] += block[0, j]
+                acc[1, j] += block[1, j]
+                block[0, j] = np.float32(0.0)
+                block[1, j] = np.float32(0.0)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FAST)
@@ -188,7 +201,7 @@ def backward(y: torch.Tensor, dy: torch.Tensor, w_eff, bias, rstd: torch.Tensor,
     """(dx in dy's dtype where that is fp32 or bf16, else fp32; sum over rows of dy h; sum over rows
     of dy) for y and dy of shape (rows, d) (fp32 or bf16 read as they are, others converted), w_eff
     and bias (d,) or None, rstd (rows, 1); `packed`: a bf16 y's residuals (invact.norm.encode_residual),
-    decoded in the pass. Row sums in fp32, the sums over rows in fp64."""
+    decoded in the pass. Row sums in fp32, the sums over rows in fp64 (of fp32 sums over BLOCK rows)."""
     rows, d = y.shape
     if w_eff is None:
         w = torch.ones(d)
