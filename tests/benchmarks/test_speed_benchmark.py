@@ -119,3 +119,15 @@ def test_counting_sees_each_fresh_page_a_step_touches(monkeypatch):
     step()
     step()
     assert len(usage) == 2 and all(faults >= pages and system >= 0 for faults, system in usage)
+
+
+def test_the_compile_ratios_in_the_docs_are_the_committed_result():
+    """docs/results/speed-cpu.md quotes each row of speed_cpu_compile.json: compile + patch() over
+    compile alone, with its quartiles."""
+    import json
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "speed_cpu_compile.json").read_text())
+    text = " ".join((ROOT / "docs" / "results" / "speed-cpu.md").read_text().split())
+    for row in result["rows"]:
+        q1, q3 = row["invact_compile_ratio_quartiles"]
+        assert f"{row['invact_compile_ratio']:.3f}x ({q1:.2f}-{q3:.2f})" in text, row["name"]
