@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"measured {variant} {dtype}: {row['ratio']:.2f}x", file=sys.stderr, flush=True)
     name = device_name(args.device)
-    print(f"\n{name}, {torch.get_num_threads()} threads, torch {torch.__version__}: forward + backward of "
+    print(f"\n{name}, torch {torch.__version__}: forward + backward of "
           f"({args.rows}, {args.width}), median of {args.rounds} interleaved rounds\n")  # fmt: skip
     print("| variant (class) | dtype | torch ms | InvAct ms | InvAct / torch | torch GB/s | InvAct GB/s |")
     print("|---|---|---|---|---|---|---|")
