@@ -404,11 +404,12 @@ def _op_backward_impl(
     else:
         dx, dw, db = backward(dy, y, None, rstd, weight, bias, v, False, tuple(needs),
                               residual if residual.numel() else None)  # fmt: skip
-    empty = dy.new_empty(0)
+    # a fresh empty tensor per gradient not wanted: an op's outputs may not alias each other (frozen
+    # weights, PEFT's base model, want neither dweight nor dbias)
     return (
-        empty if dx is None else dx.to(x_dtype),
-        empty if dw is None else dw,
-        empty if db is None else db,
+        dy.new_empty(0) if dx is None else dx.to(x_dtype),
+        dy.new_empty(0) if dw is None else dw,
+        dy.new_empty(0) if db is None else db,
     )
 
 

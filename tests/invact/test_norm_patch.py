@@ -240,6 +240,24 @@ def test_compile_fullgraph_runs_the_norm_op_and_matches_eager():
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True))
 
 
+def test_compiled_with_frozen_norm_weights_matches_eager():
+    """Norms whose weights want no gradient (PEFT freezes the base model): the backward op returns
+    neither dweight nor dbias, as distinct empty tensors (an op's outputs may not alias each other);
+    the compiled model's output and gradients are the eager patched model's, bitwise (aot_eager)."""
+    _, inverted = _llama_pair()
+    for m in inverted.modules():
+        if isinstance(m, InvNorm):
+            m.weight.requires_grad_(False)
+    ids = _ids()
+    weights = torch.randn(BATCH, SEQ, 64, generator=torch.Generator().manual_seed(2))
+    eager = copy.deepcopy(inverted)
+    want_out, want = _step(eager, ids, weights)
+    torch._dynamo.reset()
+    got_out, got = _step(torch.compile(inverted, backend="aot_eager", fullgraph=True), ids, weights)
+    assert torch.equal(got_out, want_out)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def _saved_by(model, ids) -> int:
     from invact.memory import count_saved
 
