@@ -335,7 +335,7 @@ class _Norm(torch.autograd.Function):
 # where it changes, the call is traced again. The op checks the parameters at run time too (on CUDA
 # one bool read back, only where a parameter changed: InvNorm._invertible's cache); a call traced
 # without x whose parameters have become non-invertible since (an optimizer step) keeps its x aside,
-# for its own backward alone (_set_aside), and marks its module, so the next call is traced keeping x.
+# for its own backward alone (_SET_ASIDE), and marks its module, so the next call is traced keeping x.
 _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> InvNorm, for the op
 _SET_ASIDE = torch.utils.weak.WeakTensorKeyDictionary()  # a call's rstd -> its x (see above)
 
@@ -345,15 +345,25 @@ def _known(module: nn.Module) -> None:
     _MODULES[id(module)] = module
 
 
-def _check(x: torch.Tensor, weight, bias, y_dtype: torch.dtype, variant: str, key: int) -> bool:
-    """invertible() for a traced call of the module whose id is `key`, through its cache where the op
-    got the module's own parameters."""
-    module = _MODULES.get(key)
-    if module is not None:
-        params = module._parameters
-        if params.get("weight") is weight and params.get("bias") is bias:
-            return module._invertible(y_dtype)
-    return invertible(weight, bias, VARIANTS[variant], y_dtype)
+def _record(module: nn.Module, dtype: torch.dtype, answer: bool) -> None:
+    """Keep `module._invact_keep_x` (what a traced call reads) in step with a check's answer for y's
+    dtype."""
+    if answer == (dtype in module._invact_keep_x):
+        others = tuple(d for d in module._invact_keep_x if d != dtype)
+        module._invact_keep_x = others if answer else (*others, dtype)
+
+
+def _check(module: nn.Module | None, weight, bias, y_dtype: torch.dtype, variant: str) -> bool:
+    """invertible() for a traced call of `module` (None: not known to the op), through the module's
+    cache where the op got its own parameters; the answer recorded on the module."""
+    if module is None:
+        return invertible(weight, bias, VARIANTS[variant], y_dtype)
+    params = module._parameters
+    if params.get("weight") is weight and params.get("bias") is bias:
+        return module._invertible(y_dtype)
+    answer = invertible(weight, bias, VARIANTS[variant], y_dtype)  # another copy (FSDP2's unsharded)
+    _record(module, y_dtype, answer)
+    return answer
 
 
 def _op_forward_impl(
@@ -368,11 +378,8 @@ def _op_forward_impl(
     residual = encode_residual(pre, y) if pre is not None else x.new_empty(0, dtype=torch.uint8)
     if keep_x:
         return y, rstd, residual, x.detach().flatten().clone()
-    if not _check(x, weight, bias, y.dtype, variant, key):
+    if not _check(_MODULES.get(key), weight, bias, y.dtype, variant):
         _SET_ASIDE[rstd] = x.detach().flatten().clone()
-        module = _MODULES.get(key)
-        if module is not None and y.dtype not in module._invact_keep_x:
-            module._invact_keep_x = (*module._invact_keep_x, y.dtype)
     return y, rstd, residual, x.new_empty(0)
 
 
@@ -502,9 +509,7 @@ class InvNorm(nn.Module):
                 return answer
         answer = invertible(w, b, VARIANTS[self._invact_variant], dtype)
         _known(self)
-        if answer == (dtype in self._invact_keep_x):  # what a traced call keeps follows (see _MODULES)
-            others = tuple(d for d in self._invact_keep_x if d != dtype)
-            self._invact_keep_x = others if answer else (*others, dtype)
+        _record(self, dtype, answer)  # what a traced call keeps follows (see _MODULES)
         refs = tuple(None if t is None else weakref.ref(t) for t in (w, b))
         versions = tuple(None if t is None else t._version for t in (w, b))
         self._invact_checked = (refs, versions, dtype, answer)
