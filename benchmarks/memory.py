@@ -541,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.budget <= 1:
         parser.error("--budget must be in (0, 1]")
     if args.lm:
+        if args.update or args.readme:
+            parser.error("--update and --readme are for the models' table, not --lm")
         return _main_lm(args)
     stem = args.out or RESULTS / ("memory_cpu" if args.dtype == "float32" else f"memory_cpu_{args.dtype}")
     if args.readme:
@@ -552,11 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only {args.only} matches none of: {', '.join(c.name for c in CASES)}")
     if args.update and not (args.only and stem.with_suffix(".json").exists()):
         parser.error(f"--update needs --only and an existing {stem.with_suffix('.json')}")
-    rows = []
-    for case in cases:
-        t0 = time.perf_counter()
-        rows.append(measure(case, args.small, not args.no_compile, args.budget, getattr(torch, args.dtype)))
-        print(f"measured {case.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    dtype = getattr(torch, args.dtype)
+    rows = _each(
+        cases, lambda c: c.name, lambda c: measure(c, args.small, not args.no_compile, args.budget, dtype)
+    )
     import transformers
 
     from timing import device_name
@@ -587,6 +588,21 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "rows": rows,
     }
+    return _write(stem, result, table)
+
+
+def _each(items: list, name: Callable[[object], str], measure_one: Callable[[object], dict]) -> list[dict]:
+    """measure_one(item) for each item, saying how long each took."""
+    rows = []
+    for item in items:
+        t0 = time.perf_counter()
+        rows.append(measure_one(item))
+        print(f"measured {name(item)} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def _write(stem: Path, result: dict, table: str) -> int:
+    """The result as <stem>.json and its table as <stem>.md; exit status 0."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(table + "\n")
@@ -600,11 +616,7 @@ def _main_lm(args) -> int:
     from timing import device_name
 
     labels = [k for k in LM_FAMILIES if not args.only or any(w.lower() in k.lower() for w in args.only)]
-    rows = []
-    for label in labels:
-        t0 = time.perf_counter()
-        rows.append(measure_lm(label, args.small, getattr(torch, args.dtype)))
-        print(f"measured {label} in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = _each(labels, str, lambda label: measure_lm(label, args.small, getattr(torch, args.dtype)))
     table = markdown_lm(rows)
     print("\n" + table)
     result = {
@@ -622,11 +634,7 @@ def _main_lm(args) -> int:
     }
     name = "memory_lm_cpu" if args.dtype == "float32" else f"memory_lm_cpu_{args.dtype}"
     stem = args.out or RESULTS / name
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(table + "\n")
-    print(f"\nwritten to {stem.with_suffix('.json')} and .md")
-    return 0
+    return _write(stem, result, table)
 
 
 if __name__ == "__main__":
