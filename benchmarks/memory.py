@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 import invact
+from invact.activation import REPLACEABLE
 from invact.memory import saved_tensors
-from invact.patch import REPLACEABLE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The paper's memory table: share of saved activation memory InvAct removes.

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from torch import nn
 
 import invact
-from invact.patch import REPLACEABLE, _parent
+from invact import kinds
+from invact.activation import REPLACEABLE
 
 
 def replace_activations(model: nn.Module, make: Callable[[nn.Module, str], nn.Module]) -> list[str]:
@@ -18,7 +19,7 @@ def replace_activations(model: nn.Module, make: Callable[[nn.Module, str], nn.Mo
     for d in invact.plan(model):
         if not d.replace or d.cls not in REPLACEABLE:  # modules only (the models here hold no functions)
             continue
-        parent, attr = _parent(model, d.name)
+        parent, attr = kinds.parent(model, d.name)
         old = getattr(parent, attr)
         setattr(parent, attr, make(old, REPLACEABLE[d.cls](old)))
         replaced.append(d.name)

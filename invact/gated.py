@@ -1,7 +1,7 @@
 """Gated MLPs at two saved tensors: down(act(g) * u) keeps y = act(g) (+ bits) and u, not h = y * u.
 
 In a gated MLP the product h = act(g) * u is what the down projection saves for its backward, while
-the multiply itself saves y and u, from which h is one multiply away. `recompute_products(module)`
+the multiply itself saves y and u, from which h is one multiply away. `invact.mlp.recompute_products(module)`
 hooks a module (patch() hooks the module that holds each InvAct activation: the MLP, or the MoE
 experts module whose down projection is a functional call) so that, while it runs, every saved
 tensor that is h (or a view of h) is stored as a recompute handle instead: in backward, h is
@@ -27,11 +27,9 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch import nn
 
 from invact.memory import storage_id
-from invact.mlp import fuse
-from invact.modules import _CALLS, InvAct
+from invact.modules import _CALLS
 from invact.ops import _Eager, _EagerPlain
 
 # The autograd nodes of the eager InvAct functions (outside and inside torch.func transforms), and
@@ -327,24 +325,3 @@ class _Hooks:
                 for handle in self.handles:
                     handle.remove()
                 module._invact_recompute_products = "removed: no gated product"
-
-
-def recompute_products(module: nn.Module) -> bool:
-    """Hook `module` so that nothing it runs saves a copy of a gated product act(g) * u (see the
-    module docstring; nested hooked modules stand aside for the outermost). Where its forward is an
-    MLP invact.mlp recognises, that Function serves its calls instead, these hooks only those it does
-    not take (invact.mlp.Forward). Idempotent; returns
-    False if it was hooked already (or its hooks removed themselves: see _Hooks)."""
-    if getattr(module, "_invact_recompute_products", False):
-        return False
-    hooks = _Hooks()
-    if fuse(module, hooks) is None:
-        hooks.handles = [
-            module.register_forward_pre_hook(hooks.pre, with_kwargs=True),
-            module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True),
-        ]
-    module._invact_recompute_products = True
-    for act in module.modules():
-        if isinstance(act, InvAct):
-            act._invact_notes_calls = True  # its forward records (x, y) in the innermost scope
-    return True

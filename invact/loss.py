@@ -46,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from invact import kinds
 from invact.identity import swap
+from invact.kinds import Decision, Found, Kind, Options
 
 log = logging.getLogger("invact")
 
@@ -440,3 +442,25 @@ def take(model: nn.Module, name: str) -> None:
     model.register_forward_pre_hook(_arm, with_kwargs=True)
     model.register_forward_hook(_disarm, with_kwargs=True, always_call=True)
     model._invact_loss_hooked = True
+
+
+def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:
+    """With options.loss, the loss's Decision (kind "loss", named for the head: head_of) for a model
+    with a head; the plan as it is otherwise. include/exclude do not apply to it."""
+    name, taken, why = head_of(model) if options.loss else (None, False, "")
+    if name is None:
+        return Found(plan, [])
+    return Found(
+        [*plan, Decision(name, kinds.qualname(model.get_submodule(name)), taken, why, kind="loss")], []
+    )
+
+
+def apply(model: nn.Module, plan: list[Decision], options: Options) -> list[str]:
+    """take() the head the plan replaces; its name."""
+    mine = [d for d in plan if d.kind == KIND.name and d.replace]
+    for d in mine:
+        take(model, d.name)
+    return [d.name for d in mine]
+
+
+KIND = Kind("loss", decide, apply)

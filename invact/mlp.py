@@ -1,4 +1,7 @@
-"""An MLP block as one autograd Function, for the host time a small layer waits for.
+"""The MLP's home: which modules patch() hooks or runs as one op (the parents of the activations it
+replaces), its decision (gated products measured by invact.activation's forward with example inputs),
+the replacement (`fuse`, and invact.gated's recompute hooks through `recompute_products`), and its
+custom ops. An MLP block as one autograd Function, for the host time a small layer waits for.
 
 Three forwards are recognised, by the module's traced graph (torch.fx, one level deep), not by class
 name: gated, down(act(gate(x)) * up(x)) (Llama's MLP and its many copies), plain, down(act(up(x)))
@@ -42,7 +45,9 @@ LoRA wraps it after patch()), a 4-D or strided input, or dtypes that differ.
 
 from __future__ import annotations
 
+import dataclasses
 import dis
+import logging
 import operator
 from typing import NamedTuple
 
@@ -50,9 +55,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from invact import _bits
+from invact import _bits, kinds
 from invact.activations import ACTIVATIONS
+from invact.gated import _Hooks
 from invact.identity import swap
+from invact.kinds import Decision, Found, Kind, Options
 from invact.modules import InvAct
 from invact.ops import _eager_backends, _is_wrapped, _transforms_active, plain_dx
 
@@ -556,3 +563,69 @@ def fuse(module: nn.Module, hooks=None, gated: bool = True) -> Pattern | None:
     module.forward = Forward(module, pattern, hooks if pattern.gate is not None else None)
     swap(module, FusedMLP)
     return pattern
+
+
+def recompute_products(module: nn.Module) -> bool:
+    """Hook `module` so that nothing it runs saves a copy of a gated product act(g) * u (see the
+    module docstring; nested hooked modules stand aside for the outermost). Where its forward is an
+    MLP invact.mlp recognises, that Function serves its calls instead, these hooks only those it does
+    not take (invact.mlp.Forward). Idempotent; returns
+    False if it was hooked already (or its hooks removed themselves: see _Hooks)."""
+    if getattr(module, "_invact_recompute_products", False):
+        return False
+    hooks = _Hooks()
+    if fuse(module, hooks) is None:
+        hooks.handles = [
+            module.register_forward_pre_hook(hooks.pre, with_kwargs=True),
+            module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True),
+        ]
+    module._invact_recompute_products = True
+    for act in module.modules():
+        if isinstance(act, InvAct):
+            act._invact_notes_calls = True  # its forward records (x, y) in the innermost scope
+    return True
+
+
+log = logging.getLogger("invact")
+
+
+def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:
+    """With options.gated, name in each replaced activation's Decision.gated the module to hook (its
+    parent): every one without example inputs (harmless where it holds no product); with them, those
+    where the activation kind's forward measured a gated product (set there), and the parents of
+    InvAct modules whose mode alone changes (nothing measured). Adds no decision of its own."""
+    if not options.gated:
+        return Found(plan, [])
+
+    def hooked(d: Decision) -> bool:
+        if d.kind != "activation" or not d.replace or d.gated is not None:
+            return False
+        owner, attr = kinds.parent(model, d.name)
+        return options.example_inputs is None or isinstance(getattr(owner, attr, None), InvAct)
+
+    refined = [dataclasses.replace(d, gated=kinds.parent_name(d.name)) if hooked(d) else d for d in plan]
+    return Found(refined, [])
+
+
+def apply(model: nn.Module, plan: list[Decision], options: Options) -> list[str]:
+    """Hook the modules the plan names in Decision.gated (recompute_products), and those holding InvAct
+    modules an earlier patch(gated=False) made; then run every plain MLP among the parents of InvAct
+    modules as one Function (fuse: the same saved tensors, less host time), also where no gated product
+    was measured or gated=False. Replaces no module: returns []."""
+    decided = {d.name for d in plan}
+    earlier = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, InvAct)]
+    earlier = {kinds.parent_name(n) for n in earlier
+               if n not in decided and kinds.selected(n, options.include, options.exclude)}  # fmt: skip
+    if options.gated:
+        parents = {d.gated for d in plan if d.replace and d.gated is not None}
+        for name in sorted(parents | earlier):
+            if recompute_products(model.get_submodule(name)):
+                log.info("invact.patch: %s saves no copy of a gated product (recomputed in backward)",
+                         name or "the model")  # fmt: skip
+    parents = {kinds.parent_name(d.name) for d in plan if d.replace and d.kind == "activation"}
+    for name in sorted(parents | earlier):
+        fuse(model.get_submodule(name), gated=False)
+    return []
+
+
+KIND = Kind("mlp", decide, apply)

@@ -60,7 +60,7 @@ class InvAct(nn.Module):
     constructor arguments."""
 
     _ARGUMENTS: tuple[str, ...] = ()  # the constructor arguments a subclass shows in its repr
-    # Set by invact.gated.recompute_products on the InvAct modules inside a module it hooks: forward
+    # Set by invact.mlp.recompute_products on the InvAct modules inside a module it hooks: forward
     # then records (x, y) in the innermost hooked call in progress (_CALLS). A flag read in forward
     # rather than a forward hook: a module with any hook takes nn.Module's slower call path (measured
     # on a 2-core Intel Xeon: 1.75 us per call of an identity module with one forward hook against 0.71

@@ -34,6 +34,7 @@ torch.native_layer_norm_backward given h as its input, mean 0 and rstd 1, its dx
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 import weakref
@@ -42,8 +43,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from invact import kinds
 from invact._generated import norms as _spec
+from invact.callers import inplace_use
 from invact.identity import swap
+from invact.kinds import Decision, Found, Kind, Options
+from invact.memory import parameter_storages
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -548,16 +553,12 @@ class InvNorm(nn.Module):
         return f"{self._invact_variant!r}, {shape}, eps={eps}, replaces={self.replaces!r}"
 
 
-def _qualname(module: nn.Module) -> str:
-    return f"{type(module).__module__}.{type(module).__qualname__}"
-
-
 def is_candidate(module: nn.Module) -> bool:
     """A module patch() considers: a class of the spec, or a leaf module whose class name matches its
     pattern (FIND); never an InvNorm."""
     if isinstance(module, InvNorm):
         return False
-    if _qualname(module) in CLASSES:
+    if kinds.qualname(module) in CLASSES:
         return True
     return not any(True for _ in module.children()) and bool(FIND.search(type(module).__name__))
 
@@ -631,7 +632,7 @@ def match(module: nn.Module) -> tuple[str | None, str]:
 
 
 def _match(module: nn.Module) -> tuple[str | None, str]:
-    listed = CLASSES.get(_qualname(module))
+    listed = CLASSES.get(kinds.qualname(module))
     order = ([listed] if listed else []) + [n for n in VARIANTS if n != listed]
     reasons = []
     for name in order:
@@ -689,7 +690,7 @@ def replacement(module: nn.Module, variant: str) -> InvNorm:
     left as it is: for comparing the two; patch() uses `invert`)."""
     name = eps_name(module, VARIANTS[variant])
     new = InvNorm(variant, getattr(module, "weight", None), getattr(module, "bias", None),
-                  getattr(module, name), replaces=_qualname(module), eps_name=name)  # fmt: skip
+                  getattr(module, name), replaces=kinds.qualname(module), eps_name=name)  # fmt: skip
     new.train(module.training)
     return new
 
@@ -701,3 +702,156 @@ def invert(module: nn.Module, variant: str) -> InvNorm:
     swap(module, InvNorm, _invact_variant=variant, _invact_eps_name=name, _invact_checked=None)
     _known(module)
     return module
+
+
+def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:
+    """With options.norms, one Decision (kind "norm") per normalization module (see invact.plan's
+    `norms`), measured with options.example_inputs; the plan as it is without."""
+    if not options.norms:
+        return Found(plan, [])
+    found = _found(model, options.include, options.exclude, options.example_inputs is None)
+    names = [d.name for d in found]
+    if options.example_inputs is not None:
+        found = _measured(model, found, options.example_inputs)
+    return Found(plan + found, names)
+
+
+def apply(model: nn.Module, plan: list[Decision], options: Options) -> list[str]:
+    """Make each norm the plan replaces an InvNorm in place (a module shared by several parents once);
+    their names."""
+    mine = [d for d in plan if d.kind == KIND.name and d.replace]
+    for d in mine:
+        module = model.get_submodule(d.name)
+        invert(module, match(module)[0])
+    return [d.name for d in mine]
+
+
+def _found(model: nn.Module, include, exclude, static: bool) -> list[Decision]:
+    """One Decision (kind "norm") per normalization module (see plan's `norms`); `static`: the known
+    risky patterns decide (without example inputs)."""
+    decisions = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not is_candidate(module):
+            continue
+        cls = kinds.qualname(module)
+        variant, why = match(module)
+        if variant is None:
+            decisions.append(Decision(name, cls, False, why, kind="norm"))
+        elif not kinds.selected(name, include, exclude):
+            decisions.append(Decision(name, cls, False, "excluded by include/exclude", kind="norm"))
+        elif not name:
+            decisions.append(Decision(name, cls, False, "the model itself is a norm: use invact.norm.InvNorm",
+                                      kind="norm"))  # fmt: skip
+        else:
+            risk = _risk(model, name) if static else None
+            decisions.append(Decision(name, cls, risk is None, risk or f"inverted: {why}", kind="norm"))
+    return decisions
+
+
+def _measured(model: nn.Module, decisions: list[Decision], example_inputs) -> list[Decision]:
+    """The norm decisions to replace, re-decided by one training-mode forward of the unpatched model
+    under saved-tensor hooks (see plan's `norms`)."""
+    todo = {d.name: d for d in decisions if d.replace}
+    if not todo:
+        return decisions
+    modules = {name: model.get_submodule(name) for name in todo}
+    first = {}  # id(module) -> its first name (a shared module is measured once)
+    for name, m in modules.items():
+        first.setdefault(id(m), name)
+    excluded = parameter_storages(model)
+    stack: list[str] = []
+    inside: dict[str, dict[int, int]] = {}  # name -> storage -> bytes, saved while it ran
+    outputs: dict[str, list] = {}  # name -> [(output, its version at return)]
+    elsewhere: set[int] = set()  # storages saved outside every measured norm
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded and storage.nbytes():
+            if stack:
+                inside.setdefault(stack[-1], {})[ptr] = storage.nbytes()
+            else:
+                elsewhere.add(ptr)
+        return t
+
+    def enter(name: str) -> None:
+        stack.append(name)
+
+    def leave(name: str, output) -> None:
+        stack.pop()
+        if isinstance(output, torch.Tensor):  # held until the end: no later tensor takes its address
+            outputs.setdefault(name, []).append((output, output._version))
+
+    hooks = []
+    for name, m in modules.items():
+        if first[id(m)] == name:
+            hooks.append(m.register_forward_pre_hook(lambda _m, _a, n=name: enter(n)))
+            hooks.append(m.register_forward_hook(lambda _m, _a, out, n=name: leave(n, out)))
+    kinds.training_forward(model, example_inputs, pack, hooks)
+    result = []
+    for d in decisions:
+        if d.name not in todo:
+            result.append(d)
+            continue
+        key = first[id(modules[d.name])]
+        calls = outputs.get(key, [])
+        if not calls:
+            result.append(dataclasses.replace(d, replace=False, reason="not called by the example forward: "
+                                              "nothing measured"))  # fmt: skip
+            continue
+        if any(y._version != version for y, version in calls):
+            why = "an in-place op modifies its output later in the forward: the inverted norm saves it"
+            result.append(dataclasses.replace(d, replace=False, reason=why))
+            continue
+        own = {y.untyped_storage().data_ptr() for y, _ in calls}
+        freed = sum(n for ptr, n in inside.get(key, {}).items() if ptr not in own)
+        cost = sum(
+            _kept_bytes(modules[d.name], y, y.untyped_storage().data_ptr() in elsewhere) for y, _ in calls
+        )
+        if freed - cost <= 0:
+            why = f"measured: inverting it would add {cost - freed} bytes (no later op saves its output)"
+            result.append(dataclasses.replace(d, replace=False, saved_bytes=freed - cost, reason=why))
+        else:
+            why = f"measured: saves {freed - cost} bytes; {d.reason}"
+            result.append(dataclasses.replace(d, saved_bytes=freed - cost, reason=why))
+    return result
+
+
+def _kept_bytes(module: nn.Module, y: torch.Tensor, saved_later: bool) -> int:
+    """What an inverted norm keeps for one call with output y: rstd (fp32, one per row), the 4-bit
+    residuals where its variant keeps them (invact.norm.keeps_residual), and y where no later op saves
+    it."""
+    rows = y.numel() // max(y.shape[-1], 1) if y.dim() else 1
+    kept = 4 * rows + (0 if saved_later else y.untyped_storage().nbytes())
+    variant, _ = match(module)
+    if (
+        variant is not None
+        and getattr(module, "weight", None) is not None
+        and keeps_residual(variant, y.dtype)
+    ):
+        kept += (y.numel() + 1) // 2
+    return kept
+
+
+def _risk(model: nn.Module, name: str) -> str | None:
+    """In nn.Sequential, the module after a norm: Dropout(p > 0) (the next layer saves the dropped-out
+    tensor, not y) or in place (it would overwrite the y backward reads); elsewhere, forward code that
+    calls it and then modifies its output in place (invact.callers); None otherwise."""
+    parent, attr = kinds.parent(model, name)
+    if not isinstance(parent, nn.Sequential):
+        use = inplace_use(model, name)
+        if use is not None:
+            return f"its output is modified in place after it ({use}): the inverted norm saves it"
+        return None
+    names = [n for n, _ in parent.named_children()]
+    if attr not in names or names.index(attr) + 1 == len(names):
+        return None
+    after_name, after = list(parent.named_children())[names.index(attr) + 1]
+    if isinstance(after, nn.modules.dropout._DropoutNd) and after.p > 0:
+        return f"the next module, {after_name}, is Dropout(p={after.p}): the next layer saves another tensor"
+    if getattr(after, "inplace", False) is True:
+        return f"the next module, {after_name} ({type(after).__name__}), works in place on its output"
+    return None
+
+
+KIND = Kind("norm", decide, apply)

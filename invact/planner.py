@@ -37,11 +37,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import invact
+from invact import kinds
+from invact.activation import REPLACEABLE, SKIPPED, _is_activation_like
 from invact.gated import multiply
 from invact.loss import output_head
 from invact.memory import count_saved
 from invact.modules import InvAct
-from invact.patch import REPLACEABLE, SKIPPED, _is_activation_like, _qualname
 
 # dtype names the planner takes -> torch dtype
 DTYPES: dict[str, torch.dtype] = {
@@ -253,7 +254,7 @@ def _own_kinds(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def _is_activation(module: nn.Module) -> bool:
-    qualname = _qualname(module)
+    qualname = kinds.qualname(module)
     return (
         isinstance(module, InvAct)
         or qualname in REPLACEABLE

@@ -10,8 +10,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import invact
-from invact.gated import _product_node, recompute_products
-from invact.mlp import Forward
+from invact.gated import _product_node
+from invact.mlp import Forward, recompute_products
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import invact
+from invact.activation import REPLACEABLE, SKIPPED, module_for
 from invact.activations import ACTIVATIONS
-from invact.patch import REPLACEABLE, SKIPPED, module_for
 from tests.invact.test_memory_and_compile import saved_storages
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 import invact
-from invact.patch import RISK_HINT, SKIPPED
+from invact.activation import RISK_HINT, SKIPPED
 
 transformers = pytest.importorskip("transformers")
 

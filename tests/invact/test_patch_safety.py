@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import invact
-from invact.patch import RISK_HINT
+from invact.activation import RISK_HINT
 
 WIDTH, HIDDEN, BATCH = 64, 256, 32
 N = BATCH * HIDDEN  # elements through the activation per forward
