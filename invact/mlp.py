@@ -441,7 +441,7 @@ class Forward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not _transforms_active():  # torch.func: see invact.ops.invact
             return self._traced(args, kwargs)
         if (
             len(args) == 1

@@ -303,6 +303,11 @@ def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor
         return act.torch_forward(x)  # raises torch's own error for integer input
     if precision_bit and not (_bits.supports_precision_bit(x.dtype) or x.dtype == torch.float64):
         raise TypeError(f"precision_bit mode supports float32, float16 and bfloat16, not {x.dtype}")
+    if torch.compiler.is_compiling() and _transforms_active():
+        # torch.func's grad or vmap under torch.compile: torch 2.13 cannot differentiate a custom op's
+        # registered autograd (nor an autograd.Function: dynamo rewrites it without setup_context) inside
+        # them (pytorch/pytorch#170834, #174067). torch's op: the right gradient, no saving there.
+        return act.torch_forward(x)
     if not (torch.is_grad_enabled() and (x.requires_grad or _functorch_wrapped(x))):
         return act.torch_forward(x)  # nothing to save: torch's op as is
     if torch.compiler.is_compiling():

@@ -3,8 +3,14 @@
 Run as a module, `python -m tests.invact._stack_workers OUT_DIR`, with torchrun's environment (RANK,
 WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT), it is one rank of a gloo job on the CPU: it builds the
 patched MLP, takes its half of the global batch and runs one forward/backward under DDP, then under
-FSDP2's fully_shard, and saves the full gradients of each to OUT_DIR/<mode>_rank<r>.pt (or, if a mode
-raises, the traceback under "error"). Every collective is bounded by the process group's timeout.
+FSDP2's fully_shard, each also under torch.compile (MODES), and saves the full gradients of each to
+OUT_DIR/<mode>_rank<r>.pt (or, if a mode raises, the traceback under "error"). Every collective is
+bounded by the process group's timeout.
+
+Compiled, the backend is AOTAutograd with the eager ops (aot_eager) and a recorder of the ops each graph
+calls: it checks that invact traces as its custom ops inside DDP's and FSDP2's compiled graphs, and its
+gradients are bitwise those of the eager ops; inductor's code generation (a C++ compile per process)
+would add tens of seconds on two shared cores and test inductor, not the wrappers.
 
 The workers compute q with the generated torch functions, not the numba kernel (NO_NUMBA): numba
 compiles its kernels in each new process (8 s here, 20+ s for two processes sharing two cores), and
@@ -26,6 +32,7 @@ from torch import nn
 WIDTH, HIDDEN, BATCH = 16, 44, 8  # HIDDEN * rows is not a multiple of 8 for odd rows: a partial bit byte
 WORLD = 2
 TIMEOUT_S = 60  # per collective; the parent's wait for the workers is longer
+MODES = ("ddp", "fsdp", "ddp_compiled", "fsdp_compiled")
 
 
 class MLP(nn.Module):
@@ -61,7 +68,7 @@ def _step(mode: str, rank: int) -> dict:
     assert invact.patch(model) == ["act"]
     share = BATCH // WORLD
     x = global_batch()[rank * share : (rank + 1) * share]
-    if mode == "ddp":
+    if mode.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model)
@@ -71,14 +78,29 @@ def _step(mode: str, rank: int) -> dict:
         fully_shard(model.up)
         fully_shard(model.down)
         wrapped = fully_shard(model)
-    nodes = []
-    model.act.register_forward_hook(lambda m, i, o: nodes.append(type(o.grad_fn).__name__))
+    nodes, ops = [], set()
+    if mode.endswith("compiled"):
+        wrapped = torch.compile(wrapped, backend=_recording(ops), fullgraph=False)
+    else:
+        model.act.register_forward_hook(lambda m, i, o: nodes.append(type(o.grad_fn).__name__))
     loss_fn(wrapped(x)).backward()
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
         grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return {"grads": grads, "nodes": nodes, "param_type": type(model.up.weight).__name__}
+    return {"grads": grads, "nodes": nodes, "ops": sorted(ops), "param_type": type(model.up.weight).__name__}
+
+
+def _recording(ops: set):
+    """aot_eager whose forward and backward graphs add the names of the ops they call to `ops`."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, _):
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
 
 
 def no_numba() -> None:
@@ -95,7 +117,7 @@ def main(out_dir: str) -> None:
     no_numba()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    for mode in ("ddp", "fsdp"):
+    for mode in MODES:
         try:
             result = _step(mode, rank)
         except Exception:

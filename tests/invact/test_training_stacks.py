@@ -40,7 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import invact
 from invact.activations import ACTIVATIONS
-from tests.invact._stack_workers import BATCH, HIDDEN, global_batch, loss_fn, make_mlp
+from tests.invact._stack_workers import BATCH, HIDDEN, MODES, global_batch, loss_fn, make_mlp
 from tests.invact.test_functional import _fp32_bound
 
 REPO = Path(__file__).resolve().parents[2]
@@ -366,7 +366,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
-    """Both ranks' results of tests/invact/_stack_workers.py: {"ddp": [rank0, rank1], "fsdp": [...]}."""
+    """Both ranks' results of tests/invact/_stack_workers.py: {"ddp": [rank0, rank1], "fsdp": [...], ...}."""
     out = tmp_path_factory.mktemp("gloo")
     env = {
         **os.environ,
@@ -404,17 +404,22 @@ def distributed_results(tmp_path_factory):
         codes = [proc.returncode for proc, _ in procs]  # -N: ended by signal N (-9: killed at the deadline)
         limit = f"killed if still running at {_WORKER_TIMEOUT_S} s"
         pytest.fail(f"gloo workers exited with {codes} ({limit}):\n{logs}")
-    return {mode: [torch.load(out / f"{mode}_rank{r}.pt") for r in range(2)] for mode in ("ddp", "fsdp")}
+    return {mode: [torch.load(out / f"{mode}_rank{r}.pt") for r in range(2)] for mode in MODES}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", MODES)
 def test_distributed_gloo(distributed_results, mode, monkeypatch):
     ranks = distributed_results[mode]
     for r in ranks:
         assert "error" not in r, r.get("error")
-    assert ranks[0]["nodes"] and "GeluBackward0" not in ranks[0]["nodes"]  # InvAct ran in the wrapper
-    if mode == "fsdp":
+    if mode.endswith("compiled"):  # traced as invact's custom ops, torch's GELU nowhere
+        ops = ranks[0]["ops"]
+        assert {"invact.forward.default", "invact.backward.default"} <= set(ops), ops
+        assert not [op for op in ops if "gelu" in op], ops
+    else:
+        assert ranks[0]["nodes"] and "GeluBackward0" not in ranks[0]["nodes"]  # InvAct ran in the wrapper
+    if mode.startswith("fsdp"):
         assert ranks[0]["param_type"] == "DTensor"  # really sharded
     got = ranks[0]["grads"]
     _assert_equal(ranks[1]["grads"], got)  # after the all-reduce / reduce-scatter: one gradient
@@ -610,3 +615,54 @@ def test_compile_dynamic_two_batch_sizes_matches_eager():
     torch._dynamo.reset()
     assert len(graphs) == 1  # one dynamic graph served both batch sizes: no recompilation
     assert "invact.forward" in str(graphs[0].graph)
+
+
+# -- A patched Hugging Face model compiled with PEFT's LoRA or gradient checkpointing ----------------------
+
+
+def _lora(model):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # 0 at creation: the adapters' gradients would reach no earlier parameter
+            nn.init.normal_(p, std=0.1)
+    return model
+
+
+def _checkpointed(model):
+    _enable_checkpointing(model, use_reentrant=False)  # the reentrant form graph-breaks in torch itself
+    return model
+
+
+@pytest.mark.parametrize("wrap", [_lora, _checkpointed], ids=["peft lora", "hf checkpointing"])
+def test_compiled_patched_llama_gives_the_eager_patched_gradients(wrap):
+    """fullgraph (no graph break), invact's custom ops in the graphs, and aot_eager's gradients bitwise
+    eager's. loss=False: under torch.compile the loss runs eager's logits (invact.loss), a different
+    summation order from the blockwise loss of eager patch()."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.invact._stack_workers import _recording
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = wrap(LlamaForCausalLM(config))
+    assert invact.patch(model, loss=False)
+    model.train()
+    ids = torch.randint(0, 64, (2, 16))
+
+    def grads(run):
+        model.zero_grad(set_to_none=True)
+        run(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads(model)
+    ops: set[str] = set()
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, backend=_recording(ops), fullgraph=True))
+    torch._dynamo.reset()
+    assert want and want.keys() == got.keys()
+    _assert_equal(got, want)
+    assert {"invact.norm_forward.default", "invact.norm_backward.default"} <= ops, sorted(ops)
+    assert ops & {"invact.forward.default", "invact.gated_linear.default"}, sorted(ops)
+    assert not [op for op in ops if "silu" in op], sorted(ops)

@@ -1,4 +1,7 @@
-"""torch.func (grad, vmap, vjp), forward-mode AD's clear refusal, and TorchScript around InvAct."""
+"""torch.func (grad, vmap, vjp), also under torch.compile, forward-mode AD's clear refusal, and
+TorchScript around InvAct."""
+
+import copy
 
 import pytest
 import torch
@@ -90,3 +93,49 @@ def test_torchscript_calls_back_into_python():
     model(xe).sum().backward()
     assert torch.equal(xs.grad, xe.grad)
     assert torch.equal(scripted(x), F.silu(model[2](F.gelu(model[0](x)))))
+
+
+# -- torch.func under torch.compile ---------------------------------------------------------------------
+# torch 2.13 cannot differentiate a custom op's registered autograd, nor an autograd.Function, inside
+# torch.func's transforms under torch.compile (pytorch/pytorch#170834, #174067): there invact runs
+# torch's own ops (invact.ops.invact, invact.mlp.Forward, InvNorm.forward), so the compiled transform
+# gives torch's gradients, bitwise (aot_eager runs the same aten kernels), with no graph break
+# (fullgraph=True raises on one), and no saving.
+
+
+def _tiny_llama_loss():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    model, ids = transformers.LlamaModel(config), torch.randint(0, 64, (2, 8))
+
+    def loss(m):
+        return grad(lambda p: torch.func.functional_call(m, p, (ids,)).last_hidden_state.square().sum())
+
+    return model, loss
+
+
+def _mlp_per_sample():
+    torch.manual_seed(0)
+    model, xs = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), torch.randn(4, 3, 8)
+
+    def loss(m):
+        per_sample = grad(lambda p, x: torch.func.functional_call(m, p, (x,)).square().sum())
+        return lambda p: vmap(per_sample, in_dims=(None, 0))(p, xs)
+
+    return model, loss
+
+
+@pytest.mark.parametrize("make", [_tiny_llama_loss, _mlp_per_sample], ids=["llama grad", "mlp vmap(grad)"])
+def test_compiled_transforms_give_torchs_gradients(make):
+    plain, loss = make()
+    model = copy.deepcopy(plain)
+    assert invact.patch(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    want = loss(plain)(params)
+    torch._dynamo.reset()
+    got = torch.compile(loss(model), backend="aot_eager", fullgraph=True)(params)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
