@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from invact import _bits, kinds
+from invact._budget import budgeted
 from invact.activations import ACTIVATIONS
 from invact.gated import _Hooks
 from invact.identity import swap
@@ -441,8 +442,11 @@ class Forward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        if torch.compiler.is_compiling() and not _transforms_active():  # torch.func: see invact.ops.invact
-            return self._traced(args, kwargs)
+        if torch.compiler.is_compiling():
+            if not (_transforms_active() or budgeted()):
+                return self._traced(args, kwargs)
+            # under torch.func (see invact.ops.invact) or a memory budget (invact._budget): its modules
+            return type(module).forward(module, *args, **kwargs)
         if (
             len(args) == 1
             and not kwargs

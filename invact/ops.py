@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from invact import _bits, _float64, _numba, _portable
+from invact._budget import budgeted
 from invact._layout import flat, like, shaped_like
 from invact.activations import ACTIVATIONS, Activation
 
@@ -311,6 +312,8 @@ def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor
     if not (torch.is_grad_enabled() and (x.requires_grad or _functorch_wrapped(x))):
         return act.torch_forward(x)  # nothing to save: torch's op as is
     if torch.compiler.is_compiling():
+        if budgeted():  # the partitioner may recompute torch's op to meet the budget (invact._budget)
+            return act.torch_forward(x)
         # A strided x is a chunk of a fused gate_up output (Phi-3, the MoE experts): u keeps that
         # storage saved, g with it, so the partitioner recomputes act(g) from g for free, where the op
         # would add y and its bits (eager's gated path moves them; under compile it stands aside).

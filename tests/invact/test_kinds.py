@@ -104,3 +104,34 @@ def test_no_home_imports_invact_patch():
     for home in (*HOMES, "invact.kinds"):
         assert home in graph
         assert "invact.patch" not in closure(home, set()), home
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+def test_under_a_memory_budget_every_kind_traces_as_torchs_ops(budget):
+    """AOTAutograd's partitioner recomputes only aten's ops (invact._budget): under a budget below 1 the
+    activation, the MLP and the norm trace as torch's ops, which it may recompute; without one, as
+    invact's. Both train: every parameter gets a gradient."""
+    import torch._functorch.config as functorch_config
+
+    from tests.invact._stack_workers import _recording
+
+    model = _tiny_llama()
+    assert invact.patch(model, loss=False)
+    ids = torch.randint(0, 64, (2, 8))
+    ops: set[str] = set()
+    torch._dynamo.reset()
+    with functorch_config.patch(activation_memory_budget=budget):
+        compiled = torch.compile(model, backend=_recording(ops), fullgraph=True)
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    torch._dynamo.reset()
+    ours = {op for op in ops if op.startswith("invact.")}
+    if budget < 1:
+        assert not ours, sorted(ours)
+        assert {"aten.silu.default", "aten.rsqrt.default"} <= ops, sorted(ops)
+    else:
+        assert {
+            "invact.forward.default",
+            "invact.gated_linear.default",
+            "invact.norm_forward.default",
+        } <= ours
+    assert all(p.grad is not None for p in model.parameters())

@@ -1,0 +1,23 @@
+"""Whether torch.compile's partitioner works to an activation memory budget.
+
+AOTAutograd's min-cut partitioner recomputes only the ops of its allowlist, aten's (pointwise, view
+and a few others: torch 2.13, torch/_functorch/partitioners.py, get_default_op_list), never a custom
+op. With `torch._functorch.config.activation_memory_budget` below 1 it recomputes what it may until the
+saved bytes fit; invact's ops would then keep what they save while the budget alone recomputes the
+activations and norms they replace. Measured (benchmarks/memory.py, fp32, CPU, budget 0.5, share of
+eager's saved bytes): with invact's activation and norm ops, compile + patch() held more than the
+budget alone on Qwen2, Qwen3 (0.3-0.4 points), Mixtral, Qwen3-MoE (3.6) and Gemma 2 (5.0); with them
+traced as torch's ops, what the budget alone holds on each. So under a budget the activation and the
+norm trace as torch's ops, and the partitioner decides for them.
+
+Read while dynamo traces; the partitioner reads the same setting when it partitions that graph.
+"""
+
+from __future__ import annotations
+
+import torch._functorch.config as _functorch_config
+
+
+def budgeted() -> bool:
+    """An activation memory budget below 1 is set (for the graph being traced)."""
+    return _functorch_config.activation_memory_budget < 1
