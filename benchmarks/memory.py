@@ -397,14 +397,15 @@ def _by_kind(model: nn.Module, inputs: dict) -> tuple[int, dict[str, int]]:
     return counter.report.saved_bytes, kinds
 
 
-def measure_lm(label: str, small: bool, dtype=torch.float32) -> dict:
+def measure_lm(label: str, small: bool, dtype=torch.float32, compile_columns: bool = True) -> dict:
     """A causal LM with labels: eager, patch(loss=False), patch(); what the head and loss hold; and
     Liger-Kernel's FusedLinearCrossEntropy + RMSNorm + SwiGLU/GeGLU computed from the eager forward:
     its fused loss keeps grad_input (tokens x hidden) and grad_weight (vocab x hidden), in the model's
     dtype, from forward to backward (liger_kernel/ops/fused_linear_cross_entropy.py computes both in
     the forward) instead of eager's head and loss; its RMSNorm keeps each call's input and an fp32
     rstd per row (_norms); its SiLU/GELU-mul keeps g and u and recomputes act(g), so act(g) * u's
-    factor act(g) is no longer saved."""
+    factor act(g) is no longer saved. With compile_columns, torch.compile of the model and of the
+    patched model (the loss as invact's op where the head feeds the loss function straight)."""
     torch.manual_seed(0)
     model, inputs = _lm(label, small)
     model.to(dtype).train()
@@ -421,11 +422,15 @@ def measure_lm(label: str, small: bool, dtype=torch.float32) -> dict:
     row["liger_computed"] = (
         eager - row["eager_head_loss"] + flce - row["norms_held"] + liger_norms - activation_outputs
     )
+    if compile_columns:
+        row["compile_default"] = _compiled_bytes(model, inputs)
     invact.patch(model, loss=False)
     row["invact_no_loss"], _ = _by_kind(model, inputs)
     invact.patch(model)
     row["invact_patch"], kinds = _by_kind(model, inputs)
     row["patch_head_loss"] = kinds["head_loss"]
+    if compile_columns:
+        row["compile_patch"] = _compiled_bytes(model, inputs)
     row["fp32_logits"] = tokens * cfg.vocab_size * 4
     del model
     gc.collect()
@@ -433,14 +438,17 @@ def measure_lm(label: str, small: bool, dtype=torch.float32) -> dict:
 
 
 def markdown_lm(rows: list[dict]) -> str:
+    compiled = all("compile_patch" in r for r in rows)
     head = ["model", "input", "torch eager", "head + loss, eager", "patch(loss=False)", "patch()",
             "head + loss, patch()", "Liger FLCE + RMSNorm + SwiGLU (computed)"]  # fmt: skip
+    head += ["torch.compile", "torch.compile + patch()"] if compiled else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         base = r["torch_eager"]
         cells = [r["model"], r["setup"], f"{base / 2**20:.0f} MiB", f"{r['eager_head_loss'] / 2**20:.1f} MiB",
                  _pct(r["invact_no_loss"], base), _pct(r["invact_patch"], base),
                  f"{r['patch_head_loss'] / 2**10:.1f} KiB", _pct(r["liger_computed"], base)]  # fmt: skip
+        cells += [_pct(r["compile_default"], base), _pct(r["compile_patch"], base)] if compiled else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -616,7 +624,8 @@ def _main_lm(args) -> int:
     from timing import device_name
 
     labels = [k for k in LM_FAMILIES if not args.only or any(w.lower() in k.lower() for w in args.only)]
-    rows = _each(labels, str, lambda label: measure_lm(label, args.small, getattr(torch, args.dtype)))
+    rows = _each(labels, str, lambda label: measure_lm(label, args.small, getattr(torch, args.dtype),
+                                                       not args.no_compile))  # fmt: skip
     table = markdown_lm(rows)
     print("\n" + table)
     result = {

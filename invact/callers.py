@@ -47,7 +47,7 @@ def inplace_use(model: nn.Module, name: str) -> str | None:
             callers.append((len(parts) - 2, True))
     for k, indexed in callers:
         ancestor = model.get_submodule(".".join(parts[:k])) if k else model
-        tree = _forward_tree(type(ancestor))
+        tree = forward_tree(type(ancestor))
         if tree is None:
             continue
         found = _search(tree.body, [], parts[k], indexed)
@@ -57,7 +57,7 @@ def inplace_use(model: nn.Module, name: str) -> str | None:
 
 
 @functools.cache
-def _forward_tree(cls: type) -> ast.AST | None:
+def forward_tree(cls: type) -> ast.AST | None:
     """The parsed source of cls.forward, or None where it has none to read (a builtin, a C extension,
     source not on disk)."""
     forward = getattr(cls, "forward", None)

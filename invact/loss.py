@@ -32,10 +32,19 @@ ignore_index -100, num_items_in_batch, logits_to_keep. Anything else done to it 
 as the model would have (eager's tensor, on the autograd graph) and goes on with them. Such a call
 returns `logits=None`: the logits of a training step with labels are not kept (ask for them with
 patch(loss=False), or in eval mode or without labels, where nothing changes).
+
+Under torch.compile Dynamo traces tensors, not PendingLogits: where the model's forward hands the
+head's output straight to its loss function (checked on its source: `_straight`), the head keeps its
+input and returns a one-element stand-in of the logits' shape, and the model's loss function (HeadLoss,
+transformers' causal-LM loss) computes the loss from that input with the custom op
+invact::linear_cross_entropy: the same vocabulary blocks, saving the hidden state and the log-sum-exp.
+A model that transforms its logits first (Gemma 2's soft-cap, Cohere's scale) computes its logits as
+eager does there.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import logging
@@ -47,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from invact import kinds
+from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 
@@ -92,41 +102,99 @@ def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
     return z, scale, tanhs
 
 
+def _counted(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
+    """(the rows of hidden and target whose target is not ignore_index, the int64 indices of those rows
+    or None where every row counts). On the meta device (no values) as if one row did not count: the
+    index's bytes, an upper bound."""
+    if hidden.is_meta:
+        rows = torch.empty(target.shape, dtype=torch.long, device="meta")
+    else:
+        valid = target != ignore_index
+        rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+    if rows is None:
+        return hidden, target, None
+    return hidden.index_select(0, rows), target.index_select(0, rows), rows
+
+
+def _loss_blocks(h, t, weight, bias, ops: tuple, smoothing: float):
+    """(the loss summed over the rows of h, fp32 scalar; each row's log-sum-exp, fp32 (rows,)), a
+    vocabulary block at a time: every row of h counts."""
+    vocab = weight.shape[0]
+    n = h.shape[0]
+    lse = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
+    picked = torch.zeros(n, dtype=torch.float32, device=h.device)
+    total = torch.zeros(n, dtype=torch.float32, device=h.device) if smoothing else None
+    step = block_columns(n, vocab, h.device)
+    for start in range(0, vocab, step):
+        stop = min(start + step, vocab)
+        pre = F.linear(h, weight[start:stop], None if bias is None else bias[start:stop])
+        z, _, _ = _transformed(pre, ops, keep=False)
+        del pre
+        lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
+        inside = (t >= start) & (t < stop)
+        at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
+        picked += torch.where(inside, z.gather(1, at).squeeze(1), 0.0)
+        if total is not None:
+            total += z.sum(dim=1)
+    loss = (lse - picked).sum()
+    if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
+        loss = (1 - smoothing) * loss + smoothing * (lse - total / vocab).sum()
+    return loss, lse
+
+
+def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype):
+    """(d h in fp32, d weight, d bias; None where not in `needs`) of grad times _loss_blocks' loss,
+    a vocabulary block at a time, the logits recomputed per block."""
+    vocab = weight.shape[0]
+    need_h, need_w, need_b = needs
+    dw = torch.empty_like(weight) if need_w else None
+    db = torch.empty_like(bias) if need_b else None
+    # fp32 accumulator across blocks: each block's product is rounded once, the sum is not
+    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+    lse = lse.unsqueeze(1)
+    step = block_columns(h.shape[0], vocab, h.device)
+    for start in range(0, vocab, step):
+        stop = min(start + step, vocab)
+        w = weight[start:stop]
+        pre = F.linear(h, w, None if bias is None else bias[start:stop])
+        p, scale, tanhs = _transformed(pre, ops, keep=True)
+        del pre
+        p.sub_(lse).exp_()  # softmax of the transformed logits
+        inside = ((t >= start) & (t < stop)).to(p.dtype)
+        at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
+        p.scatter_add_(1, at, inside.mul_(-(1 - smoothing)).unsqueeze(1))
+        if smoothing:
+            p.sub_(smoothing / vocab)
+        for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
+            p.mul_(th.square_().neg_().add_(1))
+        del tanhs
+        p.mul_(grad * scale)
+        d = p.to(pre_dtype)
+        if need_w:
+            dw[start:stop] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
+        if need_b:
+            db[start:stop] = p.sum(dim=0).to(db.dtype)
+        if need_h:
+            _accumulate(dh, p, d, w)
+        del p, d
+    return dh, dw, db
+
+
+def _spread(dh: torch.Tensor, hidden: torch.Tensor, rows) -> torch.Tensor:
+    """The counted rows' gradient in hidden's dtype and shape, zero on the rows that do not count."""
+    dh = dh.to(hidden.dtype)
+    return dh if rows is None else torch.zeros_like(hidden).index_copy_(0, rows, dh)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over rows r with target[r] != ignore_index of cross_entropy(transform(hidden W^T + bias)),
-    fp32, computed a vocabulary block at a time (the module docstring)."""
+    fp32, computed a vocabulary block at a time (the module docstring). Eager's path; under
+    torch.compile the custom op invact::linear_cross_entropy (below) runs the same blocks."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing):
-        vocab = weight.shape[0]
-        rows = None  # the indices of the rows that count, where some do not
-        if hidden.is_meta:  # no values: as if one row did not count (the index's bytes, an upper bound)
-            rows = torch.empty(target.shape, dtype=torch.long, device="meta")
-        else:
-            valid = target != ignore_index
-            if not bool(valid.all()):
-                rows = valid.nonzero().squeeze(1)
-        h = hidden if rows is None else hidden.index_select(0, rows)
-        t = target if rows is None else target.index_select(0, rows)
-        n = h.shape[0]
-        lse = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
-        picked = torch.zeros(n, dtype=torch.float32, device=h.device)
-        total = torch.zeros(n, dtype=torch.float32, device=h.device) if smoothing else None
-        step = block_columns(n, vocab, h.device)
-        for start in range(0, vocab, step):
-            stop = min(start + step, vocab)
-            pre = F.linear(h, weight[start:stop], None if bias is None else bias[start:stop])
-            z, _, _ = _transformed(pre, ops, keep=False)
-            del pre
-            lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
-            inside = (t >= start) & (t < stop)
-            at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
-            picked += torch.where(inside, z.gather(1, at).squeeze(1), 0.0)
-            if total is not None:
-                total += z.sum(dim=1)
-        loss = (lse - picked).sum()
-        if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
-            loss = (1 - smoothing) * loss + smoothing * (lse - total / vocab).sum()
+        h, t, rows = _counted(hidden, target, ignore_index)
+        loss, lse = _loss_blocks(h, t, weight, bias, ops, smoothing)
         ctx.save_for_backward(hidden, weight, bias, target, lse, rows)
         ctx.ops, ctx.smoothing = ops, smoothing  # ignore_index: in `rows`
         ctx.pre_dtype = torch.result_type(h, weight)
@@ -135,50 +203,99 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, target, lse, rows = ctx.saved_tensors
-        ops, smoothing = ctx.ops, ctx.smoothing
-        vocab = weight.shape[0]
         h = hidden if rows is None else hidden.index_select(0, rows)
         t = target if rows is None else target.index_select(0, rows)
-        n = h.shape[0]
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dw = torch.empty_like(weight) if need_w else None
-        db = torch.empty_like(bias) if need_b else None
-        # fp32 accumulator across blocks: each block's product is rounded once, the sum is not
-        dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
-        lse = lse.unsqueeze(1)
-        step = block_columns(n, vocab, h.device)
-        for start in range(0, vocab, step):
-            stop = min(start + step, vocab)
-            w = weight[start:stop]
-            pre = F.linear(h, w, None if bias is None else bias[start:stop])
-            p, scale, tanhs = _transformed(pre, ops, keep=True)
-            del pre
-            p.sub_(lse).exp_()  # softmax of the transformed logits
-            inside = ((t >= start) & (t < stop)).to(p.dtype)
-            at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
-            p.scatter_add_(1, at, inside.mul_(-(1 - smoothing)).unsqueeze(1))
-            if smoothing:
-                p.sub_(smoothing / vocab)
-            for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
-                p.mul_(th.square_().neg_().add_(1))
-            del tanhs
-            p.mul_(grad * scale)
-            d = p.to(ctx.pre_dtype)
-            if need_w:
-                dw[start:stop] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
-            if need_b:
-                db[start:stop] = p.sum(dim=0).to(db.dtype)
-            if need_h:
-                _accumulate(dh, p, d, w)
-            del p, d
-        dhidden = None
-        if need_h:
-            dh = dh.to(hidden.dtype)
-            if rows is None:
-                dhidden = dh
-            else:
-                dhidden = torch.zeros_like(hidden).index_copy_(0, rows, dh)
+        needs = tuple(ctx.needs_input_grad[:3])
+        dh, dw, db = _grad_blocks(grad, h, t, lse, weight, bias, ctx.ops, ctx.smoothing, needs, ctx.pre_dtype)
+        dhidden = None if dh is None else _spread(dh, hidden, rows)
         return dhidden, dw, db, None, None, None, None
+
+
+# torch.compile traces the loss as two custom ops, opaque to the partitioner: the forward returns the
+# loss and the log-sum-exp of every row (those that do not count hold 0: an output whose size depended
+# on the targets would be a data-dependent shape), the backward takes what the forward saved: hidden,
+# the head's weight and bias, the targets and that log-sum-exp. The transform is passed as a list of
+# (code, value) floats (OPS: a schema takes no tuples of strings).
+OPS = ("mul", "div", "tanh")
+
+
+def _encode_ops(ops: tuple) -> list[float]:
+    return [float(v) for op in ops for v in (OPS.index(op[0]), op[1] if len(op) > 1 else 0.0)]
+
+
+def _decode_ops(codes: list[float]) -> tuple:
+    pairs = zip(codes[0::2], codes[1::2], strict=True)
+    return tuple((OPS[int(c)], v) if OPS[int(c)] != "tanh" else ("tanh",) for c, v in pairs)
+
+
+def _op_forward_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     target: torch.Tensor, ops: list[float], ignore_index: int,
+                     smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    h, t, rows = _counted(hidden, target, ignore_index)
+    loss, lse = _loss_blocks(h, t, weight, bias, _decode_ops(ops), smoothing)
+    full = lse if rows is None else lse.new_zeros(hidden.shape[0]).index_copy_(0, rows, lse)
+    return loss, full
+
+
+_op_forward = torch.library.custom_op("invact::linear_cross_entropy", _op_forward_impl, mutates_args=())
+
+
+@_op_forward.register_fake
+def _(hidden, weight, bias, target, ops, ignore_index, smoothing):
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape[:1], dtype=torch.float32)
+
+
+def _op_backward_impl(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ops: list[float],
+    ignore_index: int,
+    smoothing: float,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, t, rows = _counted(hidden, target, ignore_index)
+    lse = lse if rows is None else lse.index_select(0, rows)
+    pre_dtype = torch.result_type(h, weight)
+    dh, dw, db = _grad_blocks(grad, h, t, lse, weight, bias, _decode_ops(ops), smoothing,
+                              (needs[0], needs[1], needs[2] and bias is not None), pre_dtype)  # fmt: skip
+    # an output is a tensor: a fresh empty one where no gradient is wanted (the autograd formula drops it)
+    dhidden = hidden.new_empty(0) if dh is None else _spread(dh, hidden, rows)
+    return dhidden, weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
+
+
+_op_backward = torch.library.custom_op("invact::linear_cross_entropy_backward", _op_backward_impl,
+                                       mutates_args=())  # fmt: skip
+
+
+@_op_backward.register_fake
+def _(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs):
+    db = torch.empty_like(bias) if needs[2] and bias is not None else weight.new_empty(0)
+    return (torch.empty_like(hidden) if needs[0] else hidden.new_empty(0),
+            torch.empty_like(weight) if needs[1] else weight.new_empty(0), db)  # fmt: skip
+
+
+def _op_setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, ops, ignore_index, smoothing = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, output[1])
+    ctx.ops, ctx.ignore_index, ctx.smoothing = ops, ignore_index, smoothing
+    ctx.mark_non_differentiable(output[1])
+
+
+def _op_autograd_backward(ctx, grad, _dlse):
+    hidden, weight, bias, target, lse = ctx.saved_tensors
+    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+    dh, dw, db = torch.ops.invact.linear_cross_entropy_backward(
+        grad, hidden, weight, bias, target, lse, ctx.ops, ctx.ignore_index, ctx.smoothing, needs
+    )
+    return (dh if needs[0] else None, dw if needs[1] else None, db if needs[2] and bias is not None else None,
+            None, None, None, None)  # fmt: skip
+
+
+_op_forward.register_autograd(_op_autograd_backward, setup_context=_op_setup_context)
 
 
 def _accumulate(dh: torch.Tensor, p: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> None:
@@ -220,8 +337,12 @@ def linear_cross_entropy(
     target = target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(f"{target.shape[0]} targets for {hidden.shape[0]} rows of hidden states")
-    loss = _LinearCrossEntropy.apply(hidden, weight, bias, target, tuple(ops), ignore_index,
-                                     float(label_smoothing))  # fmt: skip
+    if torch.compiler.is_compiling():
+        loss = torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(tuple(ops)),
+                                                     ignore_index, float(label_smoothing))[0]  # fmt: skip
+    else:
+        loss = _LinearCrossEntropy.apply(hidden, weight, bias, target, tuple(ops), ignore_index,
+                                         float(label_smoothing))  # fmt: skip
     if reduction == "mean":
         loss = loss / (target != ignore_index).sum()
     return loss
@@ -353,19 +474,95 @@ def _cross_entropy(*args, **kwargs):
 
 class LossHead(nn.Module):
     """The mixin of a patched head (invact.identity): while `_invact_armed` (a training forward of its
-    model with labels), its forward returns PendingLogits instead of computing the logits."""
+    model with labels), its forward returns PendingLogits instead of computing the logits. Under
+    torch.compile, where its owner's forward hands the head's output straight to its loss function
+    (`_invact_straight`, checked by take()), it keeps its input for that loss function (HeadLoss) and
+    returns a stand-in of the logits' shape that holds no memory (one element, expanded): Dynamo
+    traces tensors, not PendingLogits' Python. Elsewhere under compile it computes its logits as
+    eager does."""
 
     _invact_armed = 0
+    _invact_straight = False
 
     def forward(self, input):  # noqa: A002 - nn.Linear's argument name
-        # Under torch.compile the head computes its logits as eager does: Dynamo would trace
-        # PendingLogits' Python, which is not checked yet (the loss path is eager's for now).
-        if self._invact_armed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return PendingLogits(input, self.weight, self.bias)
+        if self._invact_armed and torch.is_grad_enabled():
+            if not torch.compiler.is_compiling():
+                return PendingLogits(input, self.weight, self.bias)
+            if self._invact_straight:
+                self._invact_hidden = input
+                dtype = torch.promote_types(input.dtype, self.weight.dtype)
+                return input.new_zeros((), dtype=dtype).expand(*input.shape[:-1], self.weight.shape[0])
         return super().forward(input)
 
     def invact_repr(self) -> str:
         return "loss from hidden states"
+
+
+class HeadLoss:
+    """The loss function take() gives a patched model under torch.compile (its `loss_function`):
+    transformers' causal-LM loss (ForCausalLMLoss: labels shifted by one with ignore_index padding,
+    mean over the tokens that count, or sum over num_items_in_batch) from the hidden state LossHead
+    kept, by linear_cross_entropy (the custom op invact::linear_cross_entropy there). Where LossHead
+    kept none (eager: the model's own loss function takes PendingLogits; eval, no labels), the model's
+    own loss function as it was."""
+
+    def __init__(self, head: nn.Module, original) -> None:
+        self.head, self.original = head, original
+
+    def __call__(self, logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                 shift_labels=None, **kwargs):  # fmt: skip
+        head = self.head
+        hidden = getattr(head, "_invact_hidden", None)
+        if hidden is None:
+            return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)  # fmt: skip
+        del head._invact_hidden
+        if shift_labels is None:
+            labels = F.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:].contiguous()
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        loss = linear_cross_entropy(hidden, head.weight, shift_labels.to(hidden.device), head.bias,
+                                    ignore_index=ignore_index, reduction=reduction)  # fmt: skip
+        if reduction == "sum":
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss
+
+
+def _straight(owner: type, attr: str) -> bool:
+    """Whether `owner`'s forward assigns `self.<attr>(...)` (the head's output) to a name it assigns
+    nowhere else and hands that name to `self.loss_function` as its logits: nothing (a soft-cap, a
+    scale) comes between the head and the loss."""
+    tree = forward_tree(owner)
+    if tree is None:
+        return False
+    assigned: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
+        for target in targets:
+            if isinstance(target, ast.Name):
+                assigned.setdefault(target.id, []).append(node.value)
+    heads = {name for name, values in assigned.items() if len(values) == 1 and _calls_self(values[0], attr)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _calls_self(node, "loss_function", call=False):
+            given = [k.value for k in node.keywords if k.arg == "logits"] + node.args[:1]
+            return bool(given) and isinstance(given[0], ast.Name) and given[0].id in heads
+    return False
+
+
+def _calls_self(node, attr: str, call: bool = True) -> bool:
+    """node is `self.<attr>(...)` (call=False: node is a Call of `self.<attr>`)."""
+    if call and not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return (
+        isinstance(f, ast.Attribute)
+        and f.attr == attr
+        and isinstance(f.value, ast.Name)
+        and f.value.id == "self"
+    )
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
@@ -388,7 +585,10 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
         return name, False, f"its head is a {type(head).__name__}, not an nn.Linear"
     if _labels_at(type(model)) is None:
         return name, False, "its forward takes no labels"
-    if getattr(model, "loss_type", None) != "ForCausalLM" or "_loss_function" in vars(model):
+    own = vars(model).get("_loss_function")
+    if getattr(model, "loss_type", None) != "ForCausalLM" or (
+        own is not None and not isinstance(own, HeadLoss)
+    ):
         return name, False, "its loss is not transformers' causal-LM loss"
     return name, True, ("the loss is computed from the hidden state and the head's weight a vocabulary "
                         "block at a time: no (tokens x vocab) logits kept")  # fmt: skip
@@ -423,6 +623,11 @@ def _disarm(model, args, kwargs, output):
     if not armed:
         return output
     head._invact_armed -= 1
+    if getattr(head, "_invact_hidden", None) is not None:  # kept under compile, no loss took it
+        del head._invact_hidden
+    if torch.compiler.is_compiling() and head._invact_straight and getattr(output, "loss", None) is not None:
+        output.logits = None  # the stand-in, of no value: as eager's (PendingLogits below)
+        return output
     if isinstance(output, tuple):
         return tuple(None if isinstance(v, PendingLogits) else v for v in output)
     if isinstance(getattr(output, "logits", None), PendingLogits):
@@ -434,11 +639,17 @@ def _disarm(model, args, kwargs, output):
 
 def take(model: nn.Module, name: str) -> None:
     """Patch the head `name` of `model` (head_of's) in place, and hook the model so that a training
-    forward with labels computes its loss from hidden states. Idempotent."""
+    forward with labels computes its loss from hidden states (eager: PendingLogits; under
+    torch.compile: HeadLoss, where the head's owner hands its output straight to its loss function).
+    Idempotent."""
     head = model.get_submodule(name)
     if isinstance(head, LossHead) and getattr(model, "_invact_loss_hooked", False):
         return
     swap(head, LossHead)
+    owner, attr = kinds.parent(model, name)
+    if _straight(type(owner), attr) and not isinstance(vars(owner).get("_loss_function"), HeadLoss):
+        head._invact_straight = True
+        owner._loss_function = HeadLoss(head, owner.loss_function)
     model.register_forward_pre_hook(_arm, with_kwargs=True)
     model.register_forward_hook(_disarm, with_kwargs=True, always_call=True)
     model._invact_loss_hooked = True

@@ -1,7 +1,8 @@
 """torch.library.opcheck on every registered invact op: the activation's invact::forward and
 invact::backward for every activation and mode, the gated MLP's invact::gated_linear and
 invact::gate_up_linear (a fused gate_up) with their backwards,
-the norm's invact::norm_forward and invact::norm_backward for every variant of the spec: schema (no
+the norm's invact::norm_forward and invact::norm_backward for every variant of the spec, the loss's
+invact::linear_cross_entropy and its backward: schema (no
 hidden mutation or aliasing), autograd registration, fake kernels (what torch.compile traces) and AOT
 dispatch with dynamic shapes."""
 
@@ -79,3 +80,22 @@ def test_gate_up_linear_ops(bias):
     torch.library.opcheck(torch.ops.invact.gate_up_linear.default, (gate_up, weight, b, "silu"))
     args = (torch.randn(2, 3, 12), gate_up.detach(), weight.detach(), bias, "silu")
     torch.library.opcheck(torch.ops.invact.gate_up_linear_backward.default, args)
+
+
+@pytest.mark.parametrize("ops", [[], [1.0, 30.0, 2.0, 0.0, 0.0, 30.0]], ids=["plain", "soft-cap"])
+@pytest.mark.parametrize("ignored", [False, True], ids=["every row", "rows ignored"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+def test_linear_cross_entropy_ops(bias, ignored, ops):
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(300, 8, requires_grad=True)  # 300 columns: two blocks of MIN_COLUMNS
+    b = torch.randn(300, requires_grad=True) if bias else None
+    target = torch.randint(0, 300, (6,))
+    if ignored:
+        target[1] = target[4] = -100
+    args = (hidden, weight, b, target, ops, -100, 0.1)
+    torch.library.opcheck(torch.ops.invact.linear_cross_entropy.default, args)
+    _, lse = torch.ops.invact.linear_cross_entropy(*args)
+    saved = (hidden.detach(), weight.detach(), None if b is None else b.detach(), target, lse)
+    args = (torch.tensor(1.0), *saved, ops, -100, 0.1, [True, True, bias])
+    torch.library.opcheck(torch.ops.invact.linear_cross_entropy_backward.default, args)
