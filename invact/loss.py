@@ -491,7 +491,9 @@ class LossHead(nn.Module):
             if self._invact_straight:
                 self._invact_hidden = input
                 dtype = torch.promote_types(input.dtype, self.weight.dtype)
-                return input.new_zeros((), dtype=dtype).expand(*input.shape[:-1], self.weight.shape[0])
+                standin = input.new_zeros((), dtype=dtype).expand(*input.shape[:-1], self.weight.shape[0])
+                self._invact_standin = standin  # _disarm takes it out of the model's output
+                return standin
         return super().forward(input)
 
     def invact_repr(self) -> str:
@@ -625,12 +627,13 @@ def _disarm(model, args, kwargs, output):
     head._invact_armed -= 1
     if getattr(head, "_invact_hidden", None) is not None:  # kept under compile, no loss took it
         del head._invact_hidden
-    if torch.compiler.is_compiling() and head._invact_straight and getattr(output, "loss", None) is not None:
-        output.logits = None  # the stand-in, of no value: as eager's (PendingLogits below)
-        return output
+    standin = getattr(head, "_invact_standin", None)  # under compile: the logits' stand-in (LossHead)
+    if standin is not None:
+        del head._invact_standin
+    pending = (lambda v: v is standin) if standin is not None else (lambda v: isinstance(v, PendingLogits))
     if isinstance(output, tuple):
-        return tuple(None if isinstance(v, PendingLogits) else v for v in output)
-    if isinstance(getattr(output, "logits", None), PendingLogits):
+        return tuple(None if pending(v) else v for v in output)
+    if pending(getattr(output, "logits", None)):
         if isinstance(output, dict) and "logits" in output:  # a ModelOutput: as if built with logits=None
             (OrderedDict if isinstance(output, OrderedDict) else dict).__delitem__(output, "logits")
         object.__setattr__(output, "logits", None)

@@ -375,7 +375,7 @@ def test_under_torch_compile_the_loss_is_the_op_where_the_head_feeds_the_loss(la
     if label in STRAIGHT:  # the same blocks as eager's Function, the same ops below it: the loss bitwise
         assert {"invact.linear_cross_entropy.default", "invact.linear_cross_entropy_backward.default"} <= ops
         assert not [op for op in ops if "log_softmax" in op], sorted(ops)
-        assert out.logits is None
+        assert out.logits is None and "logits" not in out.keys()  # as eager patch(): no logits kept
         assert torch.equal(loss, want_loss)
     else:  # eager's logits and loss, within the fp32 bound of eager patch()'s blockwise loss
         assert out.logits is not None and not [op for op in ops if "linear_cross_entropy" in op]
@@ -402,3 +402,17 @@ def test_under_torch_compile_the_step_saves_no_fp32_logits():
     # the op keeps per row one fp32 log-sum-exp (and the int64 targets, which compile alone keeps too);
     # the mean's division keeps its divisor, the count of the rows that count (one int64)
     assert saved["plain"].saved_bytes - saved["patched"].saved_bytes >= fp32_logits - ids.numel() * 4 - 8
+
+
+def test_under_torch_compile_a_tuple_output_holds_no_stand_in():
+    from tests.invact._stack_workers import _recording
+
+    _, patched = _pair("llama")
+    ids, labels = _inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, backend=_recording(set()), fullgraph=True)
+    out = compiled(input_ids=ids, labels=labels, use_cache=False, return_dict=False)
+    torch._dynamo.reset()
+    assert isinstance(out, tuple) and out[0].dim() == 0 and out[1] is None  # (loss, logits=None, ...)
+    head = patched.get_output_embeddings()
+    assert not hasattr(head, "_invact_standin") and not hasattr(head, "_invact_hidden")
