@@ -22,9 +22,10 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Decision:
-    """One activation and what patch() does with it. `saved_bytes` is measured when plan()/patch() get
-    example inputs: how many fewer bytes one training forward saves for backward with this activation
-    replaced (negative: more), None without example inputs."""
+    """One module (an activation, a norm, a causal LM's head: `kind`, the name of the Kind that decided)
+    and what patch() does with it. `saved_bytes` is measured when plan()/patch() get example inputs: how
+    many fewer bytes one training forward saves for backward with it replaced (negative: more), None
+    without example inputs."""
 
     name: str  # qualified module name in the model (a function attribute: "<module>.<attribute>")
     cls: str  # qualified class name (a function attribute: the function's)
