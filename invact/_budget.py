@@ -15,14 +15,17 @@ Read while dynamo traces; the partitioner reads the same setting when it partiti
 
 from __future__ import annotations
 
-import torch
 import torch._functorch.config as _functorch_config
+
+
+def budgeted() -> bool:
+    """An activation memory budget below 1 is set (for the graph being traced)."""
+    return _functorch_config.activation_memory_budget < 1
 
 
 # A constant to Dynamo, evaluated once while it traces: read as an ordinary config attribute inside the
 # traced code, it made Dynamo compile the same graph twice (a dynamic-shape MLP went through the
-# backend twice on its first call).
-@torch.compiler.assume_constant_result
-def budgeted() -> bool:
-    """An activation memory budget below 1 is set (for the graph being traced)."""
-    return _functorch_config.activation_memory_budget < 1
+# backend twice on its first call). torch.compiler.assume_constant_result marks it so, but imports
+# torch._dynamo (and sympy) to do it, which `import invact` must not; the mark is the attribute it sets
+# (torch 2.13, torch/_dynamo/decorators.py), which tests/invact/test_kinds.py checks against it.
+budgeted._dynamo_marked_constant = True

@@ -135,3 +135,13 @@ def test_under_a_memory_budget_every_kind_traces_as_torchs_ops(budget):
             "invact.norm_forward.default",
         } <= ours
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_budgeted_carries_dynamos_constant_mark():
+    """invact._budget marks budgeted() as torch.compiler.assume_constant_result would, without importing
+    torch._dynamo at `import invact`: the mark must be the one that function sets."""
+    from invact._budget import budgeted
+
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    marks = {k for k in vars(marked) if k.startswith("_dynamo")}
+    assert marks and all(getattr(budgeted, k, None) == vars(marked)[k] for k in marks)
