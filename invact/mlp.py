@@ -64,6 +64,8 @@ from invact.kinds import Decision, Found, Kind, Options
 from invact.modules import InvAct
 from invact.ops import _eager_backends, _is_wrapped, _transforms_active, plain_dx
 
+log = logging.getLogger("invact")
+
 _MULTIPLY = (operator.mul, torch.mul, torch.Tensor.mul)
 _LEAF_PARAMETER = (nn.Parameter, torch.Tensor)  # not a tensor subclass (DTensor, a quantized weight)
 
@@ -588,9 +590,6 @@ def recompute_products(module: nn.Module) -> bool:
         if isinstance(act, InvAct):
             act._invact_notes_calls = True  # its forward records (x, y) in the innermost scope
     return True
-
-
-log = logging.getLogger("invact")
 
 
 def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:

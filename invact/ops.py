@@ -304,16 +304,16 @@ def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor
         return act.torch_forward(x)  # raises torch's own error for integer input
     if precision_bit and not (_bits.supports_precision_bit(x.dtype) or x.dtype == torch.float64):
         raise TypeError(f"precision_bit mode supports float32, float16 and bfloat16, not {x.dtype}")
-    if torch.compiler.is_compiling() and _transforms_active():
-        # torch.func's grad or vmap under torch.compile: torch 2.13 cannot differentiate a custom op's
-        # registered autograd (nor an autograd.Function: dynamo rewrites it without setup_context) inside
-        # them (pytorch/pytorch#170834, #174067). torch's op: the right gradient, no saving there.
+    if torch.compiler.is_compiling() and (_transforms_active() or budgeted()):
+        # torch's op (the right gradient, no saving) under torch.func's grad or vmap, where torch 2.13
+        # cannot differentiate a custom op's registered autograd (nor an autograd.Function: dynamo
+        # rewrites it without setup_context; pytorch/pytorch#170834, #174067), and under a memory
+        # budget, which may recompute torch's op (invact._budget). Tested before x.requires_grad:
+        # _functorch_wrapped cannot be traced.
         return act.torch_forward(x)
     if not (torch.is_grad_enabled() and (x.requires_grad or _functorch_wrapped(x))):
         return act.torch_forward(x)  # nothing to save: torch's op as is
     if torch.compiler.is_compiling():
-        if budgeted():  # the partitioner may recompute torch's op to meet the budget (invact._budget)
-            return act.torch_forward(x)
         # A strided x is a chunk of a fused gate_up output (Phi-3, the MoE experts): u keeps that
         # storage saved, g with it, so the partitioner recomputes act(g) from g for free, where the op
         # would add y and its bits (eager's gated path moves them; under compile it stands aside).
