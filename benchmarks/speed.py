@@ -429,6 +429,18 @@ def finish(result: dict, peak: DevicePeak | None, device: str, out: Path | None)
     return 0
 
 
+def release_row() -> None:
+    """What one row leaves behind, dropped before the next: Dynamo's compiled frames (every row compiles
+    nn.Sequential.forward again for its module types, and past torch._dynamo.config.recompile_limit, 8,
+    Dynamo runs the frame eager: on the first H100 run with compile columns, the rows after quick_gelu
+    timed eager code in their compile columns), then the device's cached blocks. Called after the
+    row's except clause has ended: an exception's traceback keeps the failed step's tensors alive."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 # Fresh interpreters timed with warm caches; their median is reported. One such run on a shared 2-core
 # VM measured 1.37 s where four more in the same minutes took 0.52-0.57 s.
 WARM_RUNS = 3
@@ -453,8 +465,11 @@ def first_call_seconds(device: str) -> dict:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
         runs = []
         for _ in range(1 + WARM_RUNS):  # the first with empty caches
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                 timeout=600, env=env)  # fmt: skip
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                                 env=env)  # fmt: skip
+            if out.returncode != 0:  # its last line of stderr names the error, not CalledProcessError's
+                last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+                raise BenchmarkError(f"the first-call timing's fresh interpreter failed: {last}")
             runs.append(float(out.stdout.strip().splitlines()[-1]))
     return {"cold": runs[0], "warm": statistics.median(runs[1:]), "warm_runs": runs[1:]}
 
@@ -612,6 +627,13 @@ def main(argv: list[str] | None = None) -> int:
     compile_model = (args.device == "cuda") if args.compile is None else args.compile
     compile_model = compile_model and not (args.small and args.compile is None)
     dtype = getattr(torch, args.dtype)
+    # Before any row: a fresh interpreter needs device memory that a row's cached blocks could hold (on
+    # the first H100 run with compile columns, the subprocess failed after the rows and took them along).
+    try:
+        first_call = first_call_seconds(args.device)
+    except BenchmarkError as e:
+        print(f"speed.py: {e}", file=sys.stderr)
+        return 1
     rows = []
     for setup in setups(preset, args.small):
         if args.only and not any(w.lower() in setup.name.lower() for w in args.only):
@@ -620,13 +642,12 @@ def main(argv: list[str] | None = None) -> int:
             row = measure_row(setup, args.device, dtype, repeats, compile_model)
         except torch.OutOfMemoryError as e:  # a row too big for this device: say so, keep the others
             row = {"name": setup.name, "error": f"out of memory: {str(e).splitlines()[0]}"}
-            gc.collect()
-            torch.cuda.empty_cache()
         except BenchmarkError as e:  # a row that would not time what it names: nothing is written
             print(f"speed.py: {e}", file=sys.stderr)
             return 1
         rows.append(row)
         print(f"measured {setup.name}", flush=True)
+        release_row()
     if not rows:
         parser.error(f"--only {args.only} matched no row")
     cache_bytes = last_level_cache_bytes() if args.device == "cpu" else None
@@ -649,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": repeats,
             "compile": compile_model,
         },
-        "first_call_s": first_call_seconds(args.device),
+        "first_call_s": first_call,
         "physics": {"peak": dataclasses.asdict(peak) if peak else None, "fp32_matmul": fp32_matmul,
                     "note": note},
         "rows": rows,

@@ -131,3 +131,31 @@ def test_the_compile_ratios_in_the_docs_are_the_committed_result():
     for row in result["rows"]:
         q1, q3 = row["invact_compile_ratio_quartiles"]
         assert f"{row['invact_compile_ratio']:.3f}x ({q1:.2f}-{q3:.2f})" in text, row["name"]
+
+
+def test_rows_are_released_one_by_one_and_an_out_of_memory_row_keeps_the_others(monkeypatch):
+    """main() times the first call in a fresh interpreter before any row holds device memory, reports
+    a row that runs out of memory as an error row, and releases each row (Dynamo's frames, cached
+    blocks) only once no exception is being handled: a live traceback would keep the row's tensors."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import speed
+
+    events, results = [], []
+
+    def measure_row(setup, *args):
+        events.append(("row", setup.name))
+        if setup.name.startswith("silu"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+        return {"name": setup.name}
+
+    monkeypatch.setattr(speed, "first_call_seconds", lambda device: events.append(("first call",)) or {})
+    monkeypatch.setattr(speed, "measure_row", measure_row)
+    monkeypatch.setattr(speed, "release_row", lambda: events.append(("release", sys.exc_info()[0])))
+    monkeypatch.setattr(speed, "markdown", lambda result: "")
+    monkeypatch.setattr(speed, "finish", lambda result, *args: results.append(result) or 0)
+    assert speed.main(["--device", "cpu", "--small", "--only", "silu", "softplus"]) == 0
+    silu, softplus = (row["name"] for row in results[0]["rows"])
+    assert events == [("first call",), ("row", silu), ("release", None), ("row", softplus), ("release", None)]
+    assert results[0]["rows"][0]["error"].startswith("out of memory: CUDA out of memory")
