@@ -1,0 +1,93 @@
+"""The GPU figures quoted in the README and docs are the committed GPU results (benchmarks/results/,
+written by `make gpu` on a machine that CI never has): every row of the quoted tables is found, to
+the digit shown, in the JSON of its device and dtype."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 2**20
+DTYPE_FILES = {"fp32": "train_memory_h100-80gb-hbm3.json",
+               "bf16": "train_memory_h100-80gb-hbm3_bfloat16.json"}  # fmt: skip
+
+
+def _table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of each body row of the first markdown table whose header row starts with `heading`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _result_row(label: str, dtype: str) -> dict:
+    """The JSON row whose model the table's label names (the label starts with the model's name)."""
+    rows = json.loads((RESULTS / DTYPE_FILES[dtype]).read_text())["rows"]
+    (row,) = [r for r in rows if label.startswith(r["model"].split(" (")[0])]
+    return row
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:,.0f} MiB"
+
+
+@pytest.mark.parametrize(
+    ("page", "heading", "columns"),
+    [
+        ("README.md", "| model | dtype | peak, torch |", ("peak", "share")),
+        ("docs/results/memory.md", "| model | dtype | saved, torch |", ("saved", "peak", "share")),
+    ],
+)
+def test_the_gpu_peak_memory_tables_are_the_committed_results(page, heading, columns):
+    rows = _table_rows((ROOT / page).read_text(), heading)
+    assert rows, f"{page}: no table under {heading!r}"
+    for label, dtype, *cells in rows:
+        result = _result_row(label, dtype)
+        expected = []
+        for column in columns:
+            if column == "share":
+                expected.append(f"{result['peak_drop_share']:.0%}")
+            else:
+                key = f"{column}_bytes"
+                expected += [_mib(result["torch"][key]), _mib(result["invact"][key])]
+        assert cells == expected, f"{page}: {label} ({dtype})"
+
+
+def _speed_rows(name: str) -> dict:
+    return {r["name"]: r for r in json.loads((RESULTS / name).read_text())["rows"]}
+
+
+def test_the_second_gpu_runs_bf16_time_table_is_the_committed_result():
+    text = (ROOT / "docs" / "results" / "speed-gpu.md").read_text()
+    rows = _table_rows(text, "| setup | torch (ms) | InvAct | GPU busy, torch (ms) |")
+    results = _speed_rows("speed_h100-80gb-hbm3_bfloat16.json")
+    assert [name for name, *_ in rows] == list(results)
+    for name, *cells in rows:
+        r = results[name]
+        if "error" in r:
+            assert cells[0] == "out of memory" and r["error"].startswith("out of memory"), name
+            continue
+        assert cells == [f"{r['torch_ms']:.3f}", f"{r['invact_ratio']:.2f}x", f"{r['torch_gpu_ms']:.3f}",
+                         f"{r['invact_gpu_ratio']:.2f}x", f"{r['compile_ms']:.3f}",
+                         f"{r['invact_compile_ratio']:.2f}x"], name  # fmt: skip
+
+
+def test_the_readme_gpu_time_table_is_the_committed_results():
+    """fp32 from the first GPU run (speed_h100-80gb-hbm3.json), bf16 from the second."""
+    rows = _table_rows((ROOT / "README.md").read_text(), "| setup | fp32 torch | fp32 invact | bf16 torch |")
+    fp32, bf16 = _speed_rows("speed_h100-80gb-hbm3.json"), _speed_rows("speed_h100-80gb-hbm3_bfloat16.json")
+    assert rows
+    for name, *cells in rows:
+        a, b = fp32[name], bf16[name]
+        expected = [f"{a['torch_ms']:.2f} ms", f"{a['invact_ratio']:.3f}x", f"{b['torch_ms']:.2f} ms",
+                    f"{b['invact_ratio']:.2f}x", f"{b['invact_gpu_ratio']:.2f}x"]  # fmt: skip
+        assert cells[:5] == expected, name
+    llama = bf16["Llama-3.1-8B-shaped (batch 1, seq 512, 2 layers)"]
+    prose = " ".join((ROOT / "README.md").read_text().split())
+    assert f"takes {llama['invact_compile_ratio']:.2f}x compiled torch's in bf16" in prose
