@@ -463,3 +463,58 @@ def test_compiled_a_fused_gate_up_saves_no_more_than_eager(dtype):
         model(x)
     bits = x.numel() // HIDDEN * INTERMEDIATE // 8
     assert _saved_bytes(compiled, x) == eager.report.saved_bytes - bits
+
+
+def _t5_mlp(dropout: float, dtype=torch.float32, patch: bool = True):
+    """T5's gated MLP (transformers' T5DenseGatedActDense: wo(dropout(act(wi_0 x) * wi_1 x)) behind a
+    dtype check), patched unless `patch` is False."""
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    config = t5.T5Config(d_model=HIDDEN, d_ff=INTERMEDIATE, feed_forward_proj="gated-gelu",
+                         dropout_rate=dropout)  # fmt: skip
+    torch.manual_seed(0)
+    model = t5.T5DenseGatedActDense(config).to(dtype).train()
+    if patch:
+        invact.patch(model)
+    return model
+
+
+def test_t5s_gated_mlp_is_recomputed_not_fused():
+    from invact.mlp import Recomputed
+
+    model = _t5_mlp(0.0)
+    assert match(model) is None and isinstance(model.__dict__["forward"], Recomputed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_t5s_gated_mlp_saves_what_eager_saves(dtype):
+    """Compiled, the selective checkpoint recomputes the product y * u that the partitioner would save
+    for wo (one product more than eager patch() without it); gradients bitwise eager's (aot_eager: the
+    same kernels, the product recomputed by the same multiply on the same operands)."""
+    model = _t5_mlp(0.0, dtype)
+    x = torch.randn(SHAPES["batch x seq"], dtype=dtype, requires_grad=True)
+    from invact.memory import count_saved
+
+    with count_saved(model) as eager:
+        model(x)
+    compiled = _compiled(model, "aot_eager_decomp_partition")
+    _saved_bytes(compiled, x)
+    assert _saved_bytes(compiled, x) == eager.report.saved_bytes
+    model.zero_grad()
+    want_out, want = _grads(model, x.detach())
+    model.zero_grad()
+    got_out, got = _grads(_compiled(model), x.detach())
+    assert torch.equal(got_out, want_out) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_compiled_t5s_gated_mlp_with_dropout_saves_no_more_than_compile_alone_and_the_bits():
+    """With dropout in training the dropped-out product is what wo saves, and the mask is saved, not
+    drawn again (random ops are saved): torch's module compiled keeps g (and recomputes act(g)) where
+    the activation's op keeps y and its bits, one bit per element more."""
+    x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
+    figures = {}
+    for name, m in (("patch", _t5_mlp(0.1)), ("torch", _t5_mlp(0.1, patch=False))):
+        compiled = _compiled(m, "aot_eager_decomp_partition")
+        _saved_bytes(compiled, x)
+        figures[name] = _saved_bytes(compiled, x)
+    bits = x.numel() // HIDDEN * INTERMEDIATE // 8
+    assert figures["patch"] <= figures["torch"] + bits, figures

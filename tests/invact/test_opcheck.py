@@ -1,6 +1,7 @@
 """torch.library.opcheck on every registered invact op: the activation's invact::forward and
 invact::backward for every activation and mode, the gated MLP's invact::gated_linear and
-invact::gate_up_linear (a fused gate_up) with their backwards,
+invact::gate_up_linear (a fused gate_up) with their backwards, a MoE's invact::experts_linear and
+invact::experts_gated_down with theirs,
 the norm's invact::norm_forward and invact::norm_backward for every variant of the spec, the loss's
 invact::linear_cross_entropy and its backward: schema (no
 hidden mutation or aliasing), autograd registration, fake kernels (what torch.compile traces) and AOT
@@ -44,6 +45,24 @@ def test_gated_linear_ops(shape, bias):
     dout = torch.randn(*shape, 12)
     args = (dout, y.detach(), u.detach(), weight.detach(), bias)
     torch.library.opcheck(torch.ops.invact.gated_linear_backward.default, args)
+
+
+def test_experts_ops():
+    """A MoE's experts (invact.experts), routed rows (3, 0, 5, 2): one expert with none."""
+    torch.manual_seed(0)
+    rows, hidden, k = (3, 0, 5, 2), 6, 8
+    x = torch.randn(sum(rows), hidden, requires_grad=True)
+    w_gate_up = torch.randn(len(rows), 2 * k, hidden, requires_grad=True)
+    w_down = torch.randn(len(rows), hidden, k, requires_grad=True)
+    offsets = torch.cumsum(torch.tensor(rows), 0)
+    torch.library.opcheck(torch.ops.invact.experts_linear.default, (x, w_gate_up, offsets))
+    gate_up = torch.randn(sum(rows), 2 * k, requires_grad=True)
+    torch.library.opcheck(torch.ops.invact.experts_gated_down.default, (gate_up, w_down, offsets, "silu"))
+    dout = torch.randn(sum(rows), hidden)
+    args = (dout, gate_up.detach(), w_down.detach(), offsets, "silu")
+    torch.library.opcheck(torch.ops.invact.experts_gated_down_backward.default, args)
+    args = (torch.randn(sum(rows), 2 * k), x.detach(), w_gate_up.detach(), offsets)
+    torch.library.opcheck(torch.ops.invact.experts_linear_backward.default, args)
 
 
 def _norm_inputs(variant: str, dtype: torch.dtype, weight_dtype: torch.dtype):
