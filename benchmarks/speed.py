@@ -255,7 +255,16 @@ WALL_CALLS = 3
 # recompute what eager saves, so its bound counts no saved tensors.
 BYTES_OF = {"torch_ms": "torch", "invact_ms": "invact", "precision_bit_ms": "precision_bit",
             "compile_ms": "compile", "invact_compile_ms": "compile", "torch_gpu_ms": "torch",
-            "invact_gpu_ms": "invact"}  # fmt: skip
+            "invact_gpu_ms": "invact", "compile_gpu_ms": "compile",
+            "invact_compile_gpu_ms": "compile"}  # fmt: skip
+# The variants whose GPU busy time a CUDA row reports (those the row timed), and the busy-time ratios:
+# (ratio key, variant, baseline). The compiled pair shows whether a compiled step's extra time is the
+# host's (busy time equal) or the device's.
+BUSY = ("torch", "invact", "compile", "invact_compile")
+BUSY_RATIOS = (
+    ("invact_gpu_ratio", "invact", "torch"),
+    ("invact_compile_gpu_ratio", "invact_compile", "compile"),
+)
 
 
 def _count(model: nn.Module, inputs: dict) -> tuple[int, int, int]:
@@ -386,9 +395,11 @@ def measure_row(setup: Setup, device, dtype, repeats, compile_model) -> dict:
         q1, median, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
         row[ratio], row[f"{ratio}_quartiles"] = median, [q1, q3]
     if device == "cuda":  # the GPU's own time per step, without time it waits for the host
-        for variant in ("torch", "invact"):
+        for variant in (v for v in BUSY if f"{v}_ms" in timed):
             row[f"{variant}_gpu_ms"] = device_busy_ms(timed[f"{variant}_ms"], GPU_BUSY_CALLS, device)
-        row["invact_gpu_ratio"] = row["invact_gpu_ms"] / row["torch_gpu_ms"]
+        for ratio, variant, baseline in BUSY_RATIOS:
+            if f"{variant}_gpu_ms" in row:
+                row[ratio] = row[f"{variant}_gpu_ms"] / row[f"{baseline}_gpu_ms"]
         for k, step in timed.items():  # what the events must not fall far below (check_result)
             row[f"{k.removesuffix('_ms')}_wall_ms"] = wall_ms(step, WALL_CALLS, device)
     row.update(costs)
@@ -410,7 +421,7 @@ def check_result(result: dict, peak: DevicePeak | None) -> list[str]:
             continue
         wall = {k: row[f"{k[:-3]}_wall_ms"] for k in BYTES_OF if f"{k[:-3]}_wall_ms" in row}
         errors += timing_violations(row["name"], row, wall, "the wall clock of synchronized steps")
-        busy = {f"{v}_ms": row[f"{v}_gpu_ms"] for v in ("torch", "invact") if f"{v}_gpu_ms" in row}
+        busy = {f"{v}_ms": row[f"{v}_gpu_ms"] for v in BUSY if f"{v}_gpu_ms" in row}
         errors += timing_violations(row["name"], row, busy, "the profiler's device-busy time")
         if peak is not None:
             errors += row_violations(row["name"], figures(row), peak, result["dtype"], fp32_matmul)
@@ -706,11 +717,17 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     busy = [r for r in result["rows"] if "invact_gpu_ms" in r]
     if busy:  # time the GPU itself spends per step (profiler): host-bound rows differ from the above
-        lines += ["", "| setup | GPU busy per step, torch (ms) | InvAct bits (ms) | ratio |"]
-        lines.append("|---|---|---|---|")
+        compiled = any("invact_compile_gpu_ms" in r for r in busy)
+        head = "| setup | GPU busy per step, torch (ms) | InvAct bits (ms) | ratio |"
+        head += " torch.compile (ms) | InvAct + torch.compile (ms) | ratio |" if compiled else ""
+        lines += ["", head, "|---|---|---|---|" + ("---|---|---|" if compiled else "")]
         for r in busy:
-            lines.append(f"| {r['name']} | {r['torch_gpu_ms']:.3f} | {r['invact_gpu_ms']:.3f} | "
-                         f"{r['invact_gpu_ratio']:.3f}x |")  # fmt: skip
+            cells = [r["name"], f"{r['torch_gpu_ms']:.3f}", f"{r['invact_gpu_ms']:.3f}",
+                     f"{r['invact_gpu_ratio']:.3f}x"]  # fmt: skip
+            if compiled:
+                cells += [f"{r['compile_gpu_ms']:.3f}", f"{r['invact_compile_gpu_ms']:.3f}",
+                          f"{r['invact_compile_gpu_ratio']:.3f}x"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
     faults = [r for r in result["rows"] if "torch_page_faults" in r]
     if faults:  # CPU: where a step's time goes to the kernel's page faults, not to the arithmetic
         lines += ["", "| setup | page faults per step, torch | InvAct bits | system time per step, torch "
@@ -743,7 +760,9 @@ def markdown(result: dict) -> str:
     if costed:  # what each time implies: FlopCounterMode FLOPs and a lower bound of bytes per step
         labels = {"torch_ms": "torch", "invact_ms": "InvAct bits", "precision_bit_ms": "precision-bit",
                   "compile_ms": "torch.compile", "invact_compile_ms": "InvAct + torch.compile",
-                  "torch_gpu_ms": "torch, GPU busy", "invact_gpu_ms": "InvAct bits, GPU busy"}  # fmt: skip
+                  "torch_gpu_ms": "torch, GPU busy", "invact_gpu_ms": "InvAct bits, GPU busy",
+                  "compile_gpu_ms": "torch.compile, GPU busy",
+                  "invact_compile_gpu_ms": "InvAct + torch.compile, GPU busy"}  # fmt: skip
         keys = [k for k in labels if k in costed[0]["tflops"]]
         head = ["setup", "GFLOP per step", "MB per step, torch (at least)"]
         head += [f"{labels[k]}: TFLOP/s, GB/s" for k in keys]

@@ -159,3 +159,16 @@ def test_rows_are_released_one_by_one_and_an_out_of_memory_row_keeps_the_others(
     silu, softplus = (row["name"] for row in results[0]["rows"])
     assert events == [("first call",), ("row", silu), ("release", None), ("row", softplus), ("release", None)]
     assert results[0]["rows"][0]["error"].startswith("out of memory: CUDA out of memory")
+
+
+def test_a_compiled_steps_events_are_held_to_its_gpu_busy_time(monkeypatch):
+    """On CUDA the compiled pair's busy time is measured too (is a compiled step's extra time the
+    host's or the device's?), and its CUDA-event time is held to it like eager's: an event median far
+    below the device's busy time for the same step (physics.EVENT_TOLERANCE, a factor 2) is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from speed import check_result
+
+    row = {"name": "row", "torch_ms": 1.0, "invact_ms": 1.0, "compile_ms": 1.0, "invact_compile_ms": 0.4}
+    row |= {"torch_gpu_ms": 0.9, "invact_gpu_ms": 0.9, "compile_gpu_ms": 0.9, "invact_compile_gpu_ms": 0.9}
+    (error,) = check_result({"rows": [row], "dtype": "bfloat16"}, None)
+    assert error.startswith("row: invact_compile_ms 0.400 ms by CUDA events, but 0.900 ms by the profiler")
