@@ -42,6 +42,14 @@ def _groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(e, s, t) for e, (s, t) in enumerate(zip(starts, ends, strict=True)) if t > s]
 
 
+def gate_up_grad(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, y: torch.Tensor, act) -> torch.Tensor:
+    """The gradient of a fused gate_up output (g, u halves, y = act(g)) from dh, that of act(g) * u:
+    [dh u f'(g), dh y] (invact.mlp's gate_up_linear and experts_gated_down here). f'(g) in float64 (the
+    generated view's exact derivative), rounded once: an op's body runs below autograd, so torch's own
+    derivative formula is not at hand there."""
+    return torch.cat([(dh * u) * act.df(g.double()).to(g.dtype), dh * y], dim=-1)
+
+
 # x (S, h) rows sorted by expert, weight (E, n, h): out[rows of e] = x[rows of e] weight[e]^T
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     out = x.new_zeros((x.shape[0], weight.shape[1]))
@@ -105,8 +113,7 @@ def _gated_down_impl(gate_up: torch.Tensor, weight: torch.Tensor, offsets: torch
 def _gated_down_backward_impl(
     dout: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate_up, dweight) of _gated_down_impl: act(g) and the product recomputed, f'(g) as
-    invact.mlp's gate_up_linear takes it (the activation's float64 derivative, rounded once)."""
+    """(dgate_up, dweight) of _gated_down_impl: act(g) and the product recomputed."""
     g, u = gate_up.chunk(2, dim=-1)
     act = ACTIVATIONS[activation]
     y = act.torch_forward(g)  # bitwise the forward's
@@ -115,8 +122,7 @@ def _gated_down_backward_impl(
     for e, s, t in _groups(offsets):
         dh[s:t] = dout[s:t].mm(weight[e])
         dweight[e] = dout[s:t].t().mm(h[s:t])
-    dg = (dh * u) * act.df(g.double()).to(g.dtype)
-    return torch.cat([dg, dh * y], dim=-1), dweight
+    return gate_up_grad(dh, g, u, y, act), dweight
 
 
 experts_gated_down = torch.library.custom_op("invact::experts_gated_down", _gated_down_impl, mutates_args=())

@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from invact import _bits, experts, kinds
 from invact._budget import budgeted
@@ -249,11 +250,7 @@ def _gate_up_linear_backward_impl(
     rows = dout.reshape(-1, dout.shape[-1])
     dweight = rows.t().mm((u * y).reshape(-1, y.shape[-1]))
     dbias = rows.sum(0) if bias_grad else rows.new_empty(0)
-    dh = dout.matmul(weight)
-    # f'(g) in float64 (the generated view's exact derivative), rounded once: an op's body runs below
-    # autograd, so torch's own derivative formula is not at hand here
-    dg = (dh * u) * act.df(g.double()).to(g.dtype)
-    return torch.cat([dg, dh * y], dim=-1), dweight, dbias
+    return experts.gate_up_grad(dout.matmul(weight), g, u, y, act), dweight, dbias
 
 
 gate_up_linear = torch.library.custom_op("invact::gate_up_linear", _gate_up_linear_impl, mutates_args=())
@@ -580,8 +577,6 @@ _SAVED_OPS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
 
 
 def _policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     saved = op in _SAVED_OPS or getattr(op, "namespace", None) == "invact"
     if saved or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
         return CheckpointPolicy.MUST_SAVE
@@ -589,8 +584,6 @@ def _policy(ctx, op, *args, **kwargs):
 
 
 def _contexts():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(_policy)
 
 
@@ -620,12 +613,9 @@ class Recomputed:
     def __call__(self, *args, **kwargs):
         module = self.module
         forward = type(module).forward
-        if not torch.compiler.is_compiling() or _transforms_active() or budgeted():
+        traced = torch.compiler.is_compiling() and torch.is_grad_enabled()
+        if not traced or _transforms_active() or budgeted():
             return forward(module, *args, **kwargs)
-        if not torch.is_grad_enabled():
-            return forward(module, *args, **kwargs)
-        from torch.utils.checkpoint import checkpoint
-
         return checkpoint(forward, module, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
 
