@@ -12,11 +12,24 @@ traced as its modules too: -40.8% against the budget alone's -50.1% otherwise). 
 activation, the MLP and the norm trace as torch's ops, and the partitioner decides for them.
 
 Read while dynamo traces; the partitioner reads the same setting when it partitions that graph.
+`traces_custom_ops()` is the one test the op kinds' compiled forwards make: compiling, and neither a
+budget nor a torch.func transform active.
 """
 
 from __future__ import annotations
 
+import torch
 import torch._functorch.config as _functorch_config
+
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def traces_custom_ops() -> bool:
+    """Dynamo is tracing and invact's custom ops go into the graph: neither a torch.func transform
+    (whose grad and vmap cannot differentiate a custom op's registered autograd in torch 2.13: see
+    invact.ops.invact) nor an activation memory budget is active. Where this is False under compile,
+    each op kind traces torch's own ops (or its module's forward) instead."""
+    return torch.compiler.is_compiling() and not (_transforms_active() or budgeted())
 
 
 def budgeted() -> bool:

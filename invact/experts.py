@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from invact._budget import budgeted
+from invact._budget import traces_custom_ops
 from invact.activations import ACTIVATIONS
 from invact.modules import InvAct
-from invact.ops import _transforms_active
 
 
 def _groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -198,9 +197,7 @@ class Forward:
         module = self.module
         act = module._modules.get("act_fn")
         if (
-            not torch.compiler.is_compiling()
-            or _transforms_active()
-            or budgeted()
+            not traces_custom_ops()
             or not isinstance(act, InvAct)
             or not torch.is_grad_enabled()
             or hidden_states.dim() != 2

@@ -59,7 +59,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from invact import _bits, experts, kinds
-from invact._budget import budgeted
+from invact._budget import traces_custom_ops
 from invact.activations import ACTIVATIONS
 from invact.gated import _Hooks
 from invact.identity import swap
@@ -443,9 +443,9 @@ class Forward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
+        if traces_custom_ops():
+            return self._traced(args, kwargs)
         if torch.compiler.is_compiling():
-            if not (_transforms_active() or budgeted()):
-                return self._traced(args, kwargs)
             # under torch.func (see invact.ops.invact) or a memory budget (invact._budget): its modules
             return type(module).forward(module, *args, **kwargs)
         if (
@@ -613,8 +613,7 @@ class Recomputed:
     def __call__(self, *args, **kwargs):
         module = self.module
         forward = type(module).forward
-        traced = torch.compiler.is_compiling() and torch.is_grad_enabled()
-        if not traced or _transforms_active() or budgeted():
+        if not (traces_custom_ops() and torch.is_grad_enabled()):
             return forward(module, *args, **kwargs)
         return checkpoint(forward, module, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 

@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 from invact import _bits, _float64, _numba, _portable
-from invact._budget import budgeted
+from invact._budget import _transforms_active, traces_custom_ops
 from invact._layout import flat, like, shaped_like
 from invact.activations import ACTIVATIONS, Activation
 
@@ -281,7 +281,6 @@ def _functorch_wrapped(x: torch.Tensor) -> bool:
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor:
@@ -304,7 +303,7 @@ def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor
         return act.torch_forward(x)  # raises torch's own error for integer input
     if precision_bit and not (_bits.supports_precision_bit(x.dtype) or x.dtype == torch.float64):
         raise TypeError(f"precision_bit mode supports float32, float16 and bfloat16, not {x.dtype}")
-    if torch.compiler.is_compiling() and (_transforms_active() or budgeted()):
+    if torch.compiler.is_compiling() and not traces_custom_ops():
         # torch's op (the right gradient, no saving) under torch.func's grad or vmap, where torch 2.13
         # cannot differentiate a custom op's registered autograd (nor an autograd.Function: dynamo
         # rewrites it without setup_context; pytorch/pytorch#170834, #174067), and under a memory
