@@ -5,6 +5,10 @@ counts every distinct storage autograd saves (a storage saved twice, e.g. by an 
 counts once), excluding the model's parameters and buffers; `count_saved(model)` does the same around
 any code (a training step of your own), also on the meta device (shapes only: `invact plan`).
 Tensors saved inside torch.utils.checkpoint regions are invisible to these hooks.
+
+`inductor_partition` is a torch.compile backend that saves for backward what inductor saves, without
+inductor's code generation: `saved_tensors(torch.compile(model, backend=inductor_partition))` counts a
+compiled model's saved bytes on any machine in seconds.
 """
 
 from __future__ import annotations
@@ -50,6 +54,37 @@ def parameter_storages(model: nn.Module) -> set[int]:
     (fully_shard) made them DTensors, whose own storage cannot be read."""
     tensors = (*model.parameters(), *model.buffers())
     return {storage_id(t.to_local() if hasattr(t, "to_local") else t) for t in tensors}
+
+
+def inductor_partition(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """torch.compile backend: inductor's decompositions, its joint-graph passes and its min-cut
+    partitioner (torch._inductor.compile_fx.partition_fn), then the forward and backward graphs run as
+    traced. What the forward graph returns for backward, the saved set, is then inductor's, and
+    activation_memory_budget applies as under inductor.
+
+    torch's aot_eager_decomp_partition backend skips the joint-graph passes, and they change what is
+    saved: the passes drop no-op clones (dropout with p=0 in training decomposes to x.clone()), and
+    without that the partitioner sees a copy of the attention probabilities as a second tensor and saves
+    both (Gemma 2's eager attention: one more (batch, heads, seq, seq) tensor per layer or so).
+    """
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import get_nop_func
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
+
+    # As aot_eager_decomp_partition: effect tokens (ops with side effects) unlifted as inductor does.
+    # The joint-graph passes read the fake mode from inductor's V (the random-op pass builds its seeds
+    # under it), which inductor's own compile sets around the partition.
+    fake_mode = detect_fake_mode(example_inputs)
+    with functorch_config.patch(unlift_effect_tokens=True), V.set_fake_mode(fake_mode):
+        return aot_autograd(
+            fw_compiler=get_nop_func(),
+            bw_compiler=get_nop_func(),
+            decompositions=compile_fx.select_decomp_table,
+            partition_fn=compile_fx.partition_fn,
+        )(gm, example_inputs)
 
 
 def _mib(n: int) -> str:

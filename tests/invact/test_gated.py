@@ -690,7 +690,7 @@ def test_under_compile_a_fused_gate_up_saves_no_more_than_compile_alone():
     """Under torch.compile the gated path stands aside; where g is a chunk of a fused gate_up output
     (which u keeps saved), InvAct runs torch's activation there, so the partitioner recomputes act(g)
     from g as it does for torch's model, instead of keeping y and its bits beside it."""
-    from invact.memory import saved_tensors
+    from invact.memory import inductor_partition, saved_tensors
 
     class Fused(nn.Module):
         def __init__(self):
@@ -710,7 +710,7 @@ def test_under_compile_a_fused_gate_up_saves_no_more_than_compile_alone():
             invact.patch(model)
             assert isinstance(model.act, invact.InvAct)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+        compiled = torch.compile(model, backend=inductor_partition)
         saved_tensors(compiled, x)  # compile outside the measurement
         figures[name] = saved_tensors(compiled, x).saved_bytes
     assert figures["patch"] <= figures["torch"], figures

@@ -133,3 +133,35 @@ def test_compiled_graph_still_saves_only_y_and_bits(name):
     # storage of 0 bytes, so nothing held.
     saved = [b for b in saved_storages(compiled, h).values() if b]
     assert sorted(saved) == [*_bit_bytes(name, n), 4 * n]
+
+
+def _hidden_sum(output) -> torch.Tensor:
+    return output.last_hidden_state.sum()
+
+
+@pytest.mark.slow  # inductor's C++ code generation: about 15 s on CPU
+def test_inductor_partition_saves_what_inductor_saves():
+    """invact.memory.inductor_partition decides what to save as inductor does: the same bytes as
+    backend="inductor" on a model where torch's aot_eager_decomp_partition (no joint-graph passes)
+    saves more: Gemma 2's eager attention, whose dropout (p=0) is a clone of the probabilities."""
+    transformers = pytest.importorskip("transformers")
+    from invact.memory import inductor_partition, saved_tensors
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=100, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.Gemma2Model(cfg).train()
+    ids = torch.randint(0, 100, (1, 64))
+
+    def saved(backend) -> int:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        saved_tensors(compiled, input_ids=ids, loss=_hidden_sum)  # compile outside the measurement
+        return saved_tensors(compiled, input_ids=ids, loss=_hidden_sum).saved_bytes
+
+    ours = saved(inductor_partition)
+    assert ours == saved("inductor")
+    scores = 2 * 64 * 64 * 4  # one layer's (heads, seq, seq) fp32 probabilities
+    assert saved("aot_eager_decomp_partition") >= ours + scores

@@ -11,6 +11,7 @@ from torch import nn
 
 import invact
 from invact.activations import ACTIVATIONS
+from invact.memory import inductor_partition
 from invact.mlp import _MLP, Forward, Pattern, match
 from invact.modules import InvAct
 
@@ -320,7 +321,7 @@ def test_patch_without_the_gated_path_fuses_the_plain_form_only():
 # Under torch.compile: the gated form's down(y * u) is the custom op invact::gated_linear.
 
 
-def _compiled(model: nn.Module, backend: str = "aot_eager", **patches):
+def _compiled(model: nn.Module, backend="aot_eager", **patches):
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()
@@ -352,7 +353,7 @@ def test_compiled_it_saves_what_eager_saves(dtype):
     MLP's bytes: no product h (without the op the partitioner kept it for the down projection)."""
     _, fused = _pair("gated", "silu", dtype, bias=False)
     x = torch.randn(SHAPES["batch x seq"], dtype=dtype, requires_grad=True)
-    compiled = _compiled(fused, "aot_eager_decomp_partition")
+    compiled = _compiled(fused, inductor_partition)
     _saved_bytes(compiled, x)  # compile outside the measurement
     assert _saved_bytes(compiled, x) == _saved_bytes(fused, x)
 
@@ -365,7 +366,7 @@ def test_compiled_under_a_memory_budget_it_saves_no_more_than_compiled_alone():
     x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
     figures = {}
     for name, model in (("alone", alone), ("patched", fused)):
-        compiled = _compiled(model, "aot_eager_decomp_partition", activation_memory_budget=0.5)
+        compiled = _compiled(model, inductor_partition, activation_memory_budget=0.5)
         _saved_bytes(compiled, x)
         figures[name] = _saved_bytes(compiled, x)
     assert figures["patched"] <= figures["alone"], figures
@@ -457,7 +458,7 @@ def test_compiled_a_fused_gate_up_saves_no_more_than_eager(dtype):
     x = torch.randn(SHAPES["batch x seq"], dtype=dtype, requires_grad=True)
     from invact.memory import count_saved  # an observer: the gated hooks act under it
 
-    compiled = _compiled(model, "aot_eager_decomp_partition")
+    compiled = _compiled(model, inductor_partition)
     _saved_bytes(compiled, x)
     with count_saved(model) as eager:
         model(x)
@@ -496,7 +497,7 @@ def test_compiled_t5s_gated_mlp_saves_what_eager_saves(dtype):
 
     with count_saved(model) as eager:
         model(x)
-    compiled = _compiled(model, "aot_eager_decomp_partition")
+    compiled = _compiled(model, inductor_partition)
     _saved_bytes(compiled, x)
     assert _saved_bytes(compiled, x) == eager.report.saved_bytes
     model.zero_grad()
@@ -513,7 +514,7 @@ def test_compiled_t5s_gated_mlp_with_dropout_saves_no_more_than_compile_alone_an
     x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
     figures = {}
     for name, m in (("patch", _t5_mlp(0.1)), ("torch", _t5_mlp(0.1, patch=False))):
-        compiled = _compiled(m, "aot_eager_decomp_partition")
+        compiled = _compiled(m, inductor_partition)
         _saved_bytes(compiled, x)
         figures[name] = _saved_bytes(compiled, x)
     bits = x.numel() // HIDDEN * INTERMEDIATE // 8

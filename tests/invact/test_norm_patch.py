@@ -294,10 +294,10 @@ def test_under_compile_a_norm_whose_weight_turns_non_invertible_keeps_x():
 
 @pytest.mark.parametrize("label", ["llama", "gpt2"])
 def test_under_compile_patch_saves_less_than_compile_alone(label):
-    """The min-cut partitioner inductor uses (aot_eager_decomp_partition) sees the norm as an opaque
+    """Inductor's min-cut partitioner (invact.memory.inductor_partition) sees the norm as an opaque
     op that keeps y and rstd: with the norms inverted the compiled model saves less than compiled
     alone, and than compiled with the activations alone."""
-    from invact.memory import saved_tensors
+    from invact.memory import inductor_partition, saved_tensors
 
     torch.manual_seed(0)
     base = _decoders()[label]().train()
@@ -317,7 +317,7 @@ def test_under_compile_patch_saves_less_than_compile_alone(label):
         if patch is not None:
             invact.patch(model, **patch)
         torch._dynamo.reset()
-        compiled = torch.compile(Call(model), backend="aot_eager_decomp_partition")
+        compiled = torch.compile(Call(model), backend=inductor_partition)
         saved_tensors(compiled)  # compile outside the measurement
         figures[name] = saved_tensors(compiled).saved_bytes
     assert figures["patch"] < figures["alone"] and figures["patch"] < figures["activations"], figures
