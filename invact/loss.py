@@ -34,12 +34,15 @@ returns `logits=None`: the logits of a training step with labels are not kept (a
 patch(loss=False), or in eval mode or without labels, where nothing changes).
 
 Under torch.compile Dynamo traces tensors, not PendingLogits: where the model's forward hands the
-head's output straight to its loss function (checked on its source: `_straight`), the head keeps its
-input and returns a one-element stand-in of the logits' shape, and the model's loss function (HeadLoss,
+head's output to its loss function straight or through scalings and tanh (Gemma 2/3's soft-cap,
+Cohere's logit_scale, Granite's logits_scaling), read from its source (`_steps`), the head keeps its
+input and returns an empty stand-in (the logits' leading dimensions, no columns), and the model's
+loss function (HeadLoss,
 transformers' causal-LM loss) computes the loss from that input with the custom op
-invact::linear_cross_entropy: the same vocabulary blocks, saving the hidden state and the log-sum-exp.
-A model that transforms its logits first (Gemma 2's soft-cap, Cohere's scale) computes its logits as
-eager does there.
+invact::linear_cross_entropy, the transform read from the model's settings at the call: the same
+vocabulary blocks, saving the hidden state and the log-sum-exp. The model's own scalings run on the
+empty stand-in, for nothing. A model that does anything else between its head and its loss computes
+its logits as eager does there.
 """
 
 from __future__ import annotations
@@ -475,11 +478,10 @@ def _cross_entropy(*args, **kwargs):
 class LossHead(nn.Module):
     """The mixin of a patched head (invact.identity): while `_invact_armed` (a training forward of its
     model with labels), its forward returns PendingLogits instead of computing the logits. Under
-    torch.compile, where its owner's forward hands the head's output straight to its loss function
-    (`_invact_straight`, checked by take()), it keeps its input for that loss function (HeadLoss) and
-    returns a stand-in of the logits' shape that holds no memory (one element, expanded): Dynamo
-    traces tensors, not PendingLogits' Python. Elsewhere under compile it computes its logits as
-    eager does."""
+    torch.compile, where its owner's forward hands the head's output to its loss function through
+    steps read from its source (`_invact_straight`, set by take()), it keeps its input for that loss
+    function (HeadLoss) and returns an empty stand-in: Dynamo traces tensors, not PendingLogits'
+    Python. Elsewhere under compile it computes its logits as eager does."""
 
     _invact_armed = 0
     _invact_straight = False
@@ -491,7 +493,11 @@ class LossHead(nn.Module):
             if self._invact_straight:
                 self._invact_hidden = input
                 dtype = torch.promote_types(input.dtype, self.weight.dtype)
-                standin = input.new_zeros((), dtype=dtype).expand(*input.shape[:-1], self.weight.shape[0])
+                # The logits' leading dimensions and no columns: the model's steps (_steps) run on it
+                # for nothing, and what the compiled graph returns as the logits (which _disarm drops,
+                # outside the graph) holds no memory. A stand-in of the logits' full shape (one element,
+                # expanded) came out of a soft-cap as a logits-sized tensor at the forward's peak.
+                standin = input.new_empty((*input.shape[:-1], 0), dtype=dtype)
                 self._invact_standin = standin  # _disarm takes it out of the model's output
                 return standin
         return super().forward(input)
@@ -504,12 +510,13 @@ class HeadLoss:
     """The loss function take() gives a patched model under torch.compile (its `loss_function`):
     transformers' causal-LM loss (ForCausalLMLoss: labels shifted by one with ignore_index padding,
     mean over the tokens that count, or sum over num_items_in_batch) from the hidden state LossHead
-    kept, by linear_cross_entropy (the custom op invact::linear_cross_entropy there). Where LossHead
-    kept none (eager: the model's own loss function takes PendingLogits; eval, no labels), the model's
-    own loss function as it was."""
+    kept, by linear_cross_entropy (the custom op invact::linear_cross_entropy there), with the transform
+    `steps` (_steps) make on `owner`, the module whose forward calls the head. Where LossHead kept none
+    (eager: the model's own loss function takes PendingLogits; eval, no labels), the model's own loss
+    function as it was."""
 
-    def __init__(self, head: nn.Module, original) -> None:
-        self.head, self.original = head, original
+    def __init__(self, head: nn.Module, original, owner: nn.Module, steps: tuple = ()) -> None:
+        self.head, self.original, self.owner, self.steps = head, original, owner, steps
 
     def __call__(self, logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                  shift_labels=None, **kwargs):  # fmt: skip
@@ -519,12 +526,17 @@ class HeadLoss:
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)  # fmt: skip
         del head._invact_hidden
+        head._invact_standin = logits  # the stand-in as the owner's steps left it: _disarm drops it
         if shift_labels is None:
             labels = F.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:].contiguous()
         reduction = "sum" if num_items_in_batch is not None else "mean"
+        ops = _ops(self.owner, self.steps)
+        if ops is None:  # a number patch() read became something else since
+            raise TypeError(f"invact: {type(self.owner).__name__}'s scaling of its logits is no longer a "
+                            "number; patch it again, or with loss=False")  # fmt: skip
         loss = linear_cross_entropy(hidden, head.weight, shift_labels.to(hidden.device), head.bias,
-                                    ignore_index=ignore_index, reduction=reduction)  # fmt: skip
+                                    ops=ops, ignore_index=ignore_index, reduction=reduction)  # fmt: skip
         if reduction == "sum":
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -532,26 +544,157 @@ class HeadLoss:
         return loss
 
 
-def _straight(owner: type, attr: str) -> bool:
-    """Whether `owner`'s forward assigns `self.<attr>(...)` (the head's output) to a name it assigns
-    nowhere else and hands that name to `self.loss_function` as its logits: nothing (a soft-cap, a
-    scale) comes between the head and the loss."""
+def _steps(owner: type, attr: str) -> tuple | None:
+    """What `owner`'s forward does to the head's output before handing it to `self.loss_function`, read
+    from its source: () where it hands it straight; a tuple of steps where it only scales it and takes
+    its tanh (Gemma 2/3's soft-cap, Cohere's logit_scale, Granite's logits_scaling); None where the
+    code between does anything else, or the source cannot be read.
+
+    A step is (kind, value, guard): kind "mul", "div" or "tanh"; value a number or the path of an
+    attribute of self (a tuple of names: `self.config.final_logit_softcapping` is ("config",
+    "final_logit_softcapping")), None for tanh; guard such a path where the step sits under `if <path>
+    is not None:`, else None. Recognized, in the block that assigns `name = self.<attr>(...)` (once in
+    the whole forward): `name = name / v`, `name = name * v`, `name = v * name`, `name = torch.tanh(name)`,
+    bare or under one such `if` with no else; statements that do not read `name`; then the statement
+    that calls `self.loss_function` with `name` as its logits, and reads `name` nowhere else."""
     tree = forward_tree(owner)
     if tree is None:
-        return False
-    assigned: dict[str, list[ast.AST]] = {}
+        return None
+    found = _head_block(tree, attr)
+    if found is None:
+        return None
+    name, rest = found
+    steps: list[tuple] = []
+    for stmt in rest:
+        reads = [n for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == name]
+        if not reads:
+            continue
+        if (step := _step(stmt, name)) is not None:
+            steps.append((*step, None))
+        elif (guarded := _guarded(stmt, name)) is not None:
+            steps.extend(guarded)
+        elif _loss_takes(stmt, name) and len(reads) == 1:
+            assigned = [t for n in ast.walk(tree) for t in _targets(n) if t == name]
+            return tuple(steps) if len(assigned) == 1 + len(steps) else None
+        else:
+            return None
+    return None
+
+
+def _targets(node: ast.AST) -> list[str]:
+    """The plain names node assigns (an =, an augmented or an annotated assignment)."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+        node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
+    return [t.id for t in targets if isinstance(t, ast.Name)]
+
+
+def _head_block(tree: ast.AST, attr: str) -> tuple[str, list[ast.stmt]] | None:
+    """(name, the statements after it in its block) for the statement `name = self.<attr>(...)`."""
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
-        for target in targets:
-            if isinstance(target, ast.Name):
-                assigned.setdefault(target.id, []).append(node.value)
-    heads = {name for name, values in assigned.items() if len(values) == 1 and _calls_self(values[0], attr)}
-    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list):
+                continue
+            for i, stmt in enumerate(block):
+                if isinstance(stmt, ast.Assign) and _calls_self(stmt.value, attr):
+                    names = _targets(stmt)
+                    if len(stmt.targets) == 1 and names:
+                        return names[0], block[i + 1 :]
+    return None
+
+
+def _attribute_path(node: ast.AST) -> tuple[str, ...] | None:
+    """node is `self.a.b...`: ("a", "b", ...)."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return tuple(reversed(names)) if names and isinstance(node, ast.Name) and node.id == "self" else None
+
+
+def _operand(node: ast.AST):
+    """A number, or the path of an attribute of self; None for anything else."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return float(node.value)
+    return _attribute_path(node)
+
+
+def _step(stmt: ast.stmt, name: str) -> tuple | None:
+    """(kind, value) where stmt is `name = name / v`, `name * v`, `v * name` or `torch.tanh(name)`."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and _targets(stmt) == [name]):
+        return None
+    value = stmt.value
+    is_name = lambda n: isinstance(n, ast.Name) and n.id == name  # noqa: E731
+    if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Div, ast.Mult)):
+        kind = "div" if isinstance(value.op, ast.Div) else "mul"
+        if is_name(value.left) and (v := _operand(value.right)) is not None:
+            return kind, v
+        if kind == "mul" and is_name(value.right) and (v := _operand(value.left)) is not None:
+            return kind, v
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr == "tanh"
+        and isinstance(value.func.value, ast.Name)
+        and value.func.value.id == "torch"
+        and len(value.args) == 1
+        and not value.keywords
+        and is_name(value.args[0])
+    ):
+        return "tanh", None
+    return None
+
+
+def _guarded(stmt: ast.stmt, name: str) -> list[tuple] | None:
+    """The steps of `if <path> is not None: <steps>` (no else), each guarded by the path."""
+    if not (isinstance(stmt, ast.If) and not stmt.orelse and isinstance(stmt.test, ast.Compare)):
+        return None
+    test = stmt.test
+    guard = _attribute_path(test.left)
+    if guard is None or not (
+        len(test.ops) == 1
+        and isinstance(test.ops[0], ast.IsNot)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    ):
+        return None
+    steps = [_step(s, name) for s in stmt.body]
+    return None if None in steps else [(*step, guard) for step in steps]
+
+
+def _loss_takes(stmt: ast.stmt, name: str) -> bool:
+    """stmt calls `self.loss_function` with `name` as its logits (first argument or keyword)."""
+    for node in ast.walk(stmt):
         if isinstance(node, ast.Call) and _calls_self(node, "loss_function", call=False):
             given = [k.value for k in node.keywords if k.arg == "logits"] + node.args[:1]
-            return bool(given) and isinstance(given[0], ast.Name) and given[0].id in heads
+            return bool(given) and isinstance(given[0], ast.Name) and given[0].id == name
     return False
+
+
+def _resolve(owner: nn.Module, path: tuple[str, ...]):
+    """The attribute at `path` from owner; None where one is missing."""
+    value = owner
+    for part in path:
+        value = getattr(value, part, None)
+    return value
+
+
+def _ops(owner: nn.Module, steps: tuple) -> tuple:
+    """The transform (linear_cross_entropy's `ops`) the steps make on `owner` as it is configured now:
+    guarded steps whose guard is None dropped, paths read; None where a value is not a number (a
+    tensor, a missing setting)."""
+    ops = []
+    for kind, value, guard in steps:
+        if guard is not None and _resolve(owner, guard) is None:
+            continue
+        if kind == "tanh":
+            ops.append(("tanh",))
+            continue
+        number = value if isinstance(value, float) else _resolve(owner, value)
+        if type(number) not in (int, float):
+            return None
+        ops.append((kind, float(number)))
+    return tuple(ops)
 
 
 def _calls_self(node, attr: str, call: bool = True) -> bool:
@@ -643,16 +786,22 @@ def _disarm(model, args, kwargs, output):
 def take(model: nn.Module, name: str) -> None:
     """Patch the head `name` of `model` (head_of's) in place, and hook the model so that a training
     forward with labels computes its loss from hidden states (eager: PendingLogits; under
-    torch.compile: HeadLoss, where the head's owner hands its output straight to its loss function).
+    torch.compile: HeadLoss, where the head's owner hands its output to its loss function through
+    steps _steps reads).
     Idempotent."""
     head = model.get_submodule(name)
     if isinstance(head, LossHead) and getattr(model, "_invact_loss_hooked", False):
         return
     swap(head, LossHead)
     owner, attr = kinds.parent(model, name)
-    if _straight(type(owner), attr) and not isinstance(vars(owner).get("_loss_function"), HeadLoss):
+    steps = _steps(type(owner), attr)
+    if (
+        steps is not None
+        and _ops(owner, steps) is not None
+        and not isinstance(vars(owner).get("_loss_function"), HeadLoss)
+    ):
         head._invact_straight = True
-        owner._loss_function = HeadLoss(head, owner.loss_function)
+        owner._loss_function = HeadLoss(head, owner.loss_function, owner, steps)
     model.register_forward_pre_hook(_arm, with_kwargs=True)
     model.register_forward_hook(_disarm, with_kwargs=True, always_call=True)
     model._invact_loss_hooked = True

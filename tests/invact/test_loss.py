@@ -316,6 +316,7 @@ def test_copies_and_pickles_keep_the_loss_path():
     for other in (copy.deepcopy(patched), pickle.loads(pickle.dumps(patched))):
         out, got, _ = _step(other, input_ids=ids, labels=labels)
         assert out.logits is None and got == want
+        assert vars(other)["_loss_function"].owner is other  # its steps read the copy's settings
 
 
 @pytest.mark.slow
@@ -344,12 +345,6 @@ def test_hf_trainer_step_matches_eager(tmp_path):
     )
 
 
-# Models whose forward hands the head's output straight to its loss function: under torch.compile their
-# loss runs as invact::linear_cross_entropy; the others (a soft-cap or a scale in between) compute their
-# logits as eager does there.
-STRAIGHT = {"llama", "llama tied", "phi head bias"}
-
-
 def _compiled_step(patched, **kwargs):
     """_step through torch.compile(fullgraph=True) with aot_eager (the eager ops, so bitwise comparable),
     and the names of the ops its graphs call."""
@@ -371,15 +366,14 @@ def test_under_torch_compile_the_loss_is_the_op_where_the_head_feeds_the_loss(la
     extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
     _, want_loss, want_grads = _step(patched, input_ids=ids, labels=labels, **extra)  # eager patch()
     out, loss, grads, ops = _compiled_step(patched, input_ids=ids, labels=labels, use_cache=False, **extra)
-    assert patched.get_output_embeddings()._invact_straight == (label in STRAIGHT)
-    if label in STRAIGHT:  # the same blocks as eager's Function, the same ops below it: the loss bitwise
-        assert {"invact.linear_cross_entropy.default", "invact.linear_cross_entropy_backward.default"} <= ops
-        assert not [op for op in ops if "log_softmax" in op], sorted(ops)
-        assert out.logits is None and "logits" not in out.keys()  # as eager patch(): no logits kept
-        assert torch.equal(loss, want_loss)
-    else:  # eager's logits and loss, within the fp32 bound of eager patch()'s blockwise loss
-        assert out.logits is not None and not [op for op in ops if "linear_cross_entropy" in op]
-        assert abs(loss - want_loss) <= HF_BOUND * abs(want_loss)
+    # every model here hands its head's output to its loss function straight or through the steps the
+    # loss reads from its source (a soft-cap, a scale): the loss is the op, in the same blocks as
+    # eager's Function with the same transform, the same ops below it: bitwise
+    assert patched.get_output_embeddings()._invact_straight
+    assert {"invact.linear_cross_entropy.default", "invact.linear_cross_entropy_backward.default"} <= ops
+    assert not [op for op in ops if "log_softmax" in op], sorted(ops)
+    assert out.logits is None and "logits" not in out.keys()  # as eager patch(): no logits kept
+    assert torch.equal(loss, want_loss)
     # AOTAutograd sums a tensor's gradient contributions in its own order (1-ulp differences in the
     # layers below the loss, compiled or not patched): the same bound as eager patch() against torch
     assert len(grads) == len(want_grads)
@@ -388,8 +382,9 @@ def test_under_torch_compile_the_loss_is_the_op_where_the_head_feeds_the_loss(la
     assert not hasattr(patched.get_output_embeddings(), "_invact_hidden")  # nothing left behind
 
 
-def test_under_torch_compile_the_step_saves_no_fp32_logits():
-    plain, patched = _pair("llama")
+@pytest.mark.parametrize("label", ["llama", "gemma2 softcap"])
+def test_under_torch_compile_the_step_saves_no_fp32_logits(label):
+    plain, patched = _pair(label)
     ids, labels = _inputs()
     saved = {}
     for name, model in (("plain", plain), ("patched", patched)):
@@ -404,6 +399,31 @@ def test_under_torch_compile_the_step_saves_no_fp32_logits():
     assert saved["plain"].saved_bytes - saved["patched"].saved_bytes >= fp32_logits - ids.numel() * 4 - 8
 
 
+@pytest.mark.parametrize("label", sorted(_models()))
+def test_under_torch_compile_no_tensor_of_the_logits_size_is_computed(label):
+    """What the model's code does to the head's stand-in (a soft-cap, a scale) runs on no columns: the
+    traced graph computes no tensor of rows x vocab elements (a full-shaped stand-in soft-capped came
+    out as one, returned as the logits, at the forward's peak)."""
+    _, patched = _pair(label)
+    ids, labels = _inputs()
+    sizes = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op.startswith("call") and isinstance(value, torch.Tensor):
+                sizes.append((value.numel(), str(node.target)))
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(patched, backend=backend, fullgraph=True)(input_ids=ids, labels=labels, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    logits = ids.numel() * SIZES["vocab_size"]
+    assert sizes and not [s for s in sizes if s[0] >= logits]
+
+
 def test_under_torch_compile_a_tuple_output_holds_no_stand_in():
     from tests.invact._stack_workers import _recording
 
@@ -416,3 +436,132 @@ def test_under_torch_compile_a_tuple_output_holds_no_stand_in():
     assert isinstance(out, tuple) and out[0].dim() == 0 and out[1] is None  # (loss, logits=None, ...)
     head = patched.get_output_embeddings()
     assert not hasattr(head, "_invact_standin") and not hasattr(head, "_invact_hidden")
+
+
+# What a forward may do between its head and its loss for the loss to be the op under torch.compile: the
+# steps invact.loss reads from the source (forms Hugging Face's models use), and forms it refuses.
+class _Base(torch.nn.Module):
+    cap, scale = 30.0, 0.5
+
+    def loss_function(self, logits, labels, vocab_size, **kwargs):
+        return logits.sum()
+
+
+class _Straight(_Base):
+    def forward(self, h, labels=None):
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=8)
+        return loss, logits
+
+
+class _Softcapped(_Base):
+    def forward(self, h, labels=None):
+        logits = self.lm_head(h)
+        if self.cap is not None:
+            logits = logits / self.cap
+            logits = torch.tanh(logits)
+            logits = logits * self.cap
+        logits = 2 * logits
+        loss = self.loss_function(logits, labels, 8)
+        return loss, logits
+
+
+class _Clamped(_Base):
+    def forward(self, h, labels=None):
+        logits = self.lm_head(h)
+        logits = logits.clamp(-30, 30)
+        loss = self.loss_function(logits, labels, 8)
+        return loss, logits
+
+
+class _Shifted(_Base):
+    def forward(self, h, labels=None):
+        logits = self.lm_head(h)
+        logits = logits + self.scale
+        loss = self.loss_function(logits, labels, 8)
+        return loss, logits
+
+
+class _Branched(_Base):
+    def forward(self, h, labels=None):
+        logits = self.lm_head(h)
+        if self.cap is not None:
+            logits = logits / self.cap
+        else:
+            logits = logits * self.scale
+        loss = self.loss_function(logits, labels, 8)
+        return loss, logits
+
+
+class _Upcast(_Base):
+    def forward(self, h, labels=None):
+        logits = self.lm_head(h)
+        loss = self.loss_function(logits.float(), labels, 8)
+        return loss, logits
+
+
+class _Reassigned(_Base):
+    def forward(self, h, labels=None):
+        logits = self.lm_head(h)
+        loss = self.loss_function(logits, labels, 8)
+        logits = logits * self.scale
+        return loss, logits
+
+
+_CAP = ("cap",)
+
+
+@pytest.mark.parametrize(
+    "cls, steps",
+    [
+        (_Straight, ()),
+        (_Softcapped, (("div", _CAP, _CAP), ("tanh", None, _CAP), ("mul", _CAP, _CAP), ("mul", 2.0, None))),
+        (_Clamped, None),
+        (_Shifted, None),
+        (_Branched, None),
+        (_Upcast, None),
+        (_Reassigned, None),
+    ],
+)
+def test_the_steps_between_head_and_loss_are_read_or_refused(cls, steps):
+    assert L._steps(cls, "lm_head") == steps
+
+
+def test_the_steps_are_read_from_the_models_settings_when_it_runs():
+    model = _Softcapped()
+    steps = L._steps(_Softcapped, "lm_head")
+    assert L._ops(model, steps) == (("div", 30.0), ("tanh",), ("mul", 30.0), ("mul", 2.0))
+    model.cap = None  # the guard: the soft-cap's steps drop out
+    assert L._ops(model, steps) == (("mul", 2.0),)
+    model.cap = torch.tensor(30.0)  # not a number: no op can take it
+    assert L._ops(model, steps) is None
+
+
+class ClampedLlamaForCausalLM(transformers.LlamaForCausalLM):
+    """A causal LM that clamps its logits before the loss: a step invact.loss does not read (named
+    ...ForCausalLM: transformers gives such a class its causal-LM loss)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits = self.lm_head(hidden)
+        logits = logits.clamp(-30, 30)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_under_torch_compile_other_steps_keep_the_models_logits():
+    torch.manual_seed(0)
+    plain = ClampedLlamaForCausalLM(transformers.LlamaConfig(**SIZES, num_key_value_heads=2)).train()
+    patched = copy.deepcopy(plain)
+    invact.patch(patched, norms=False, exclude="*")
+    assert any(d.kind == "loss" and d.replace for d in invact.plan(patched))  # eager: PendingLogits
+    ids, labels = _inputs()
+    _, want_loss, _ = _step(plain, input_ids=ids, labels=labels)
+    out, loss, _, ops = _compiled_step(patched, input_ids=ids, labels=labels)
+    assert not patched.get_output_embeddings()._invact_straight
+    assert out.logits is not None and not [op for op in ops if "linear_cross_entropy" in op]
+    assert abs(loss - want_loss) <= HF_BOUND * abs(want_loss)
