@@ -6,8 +6,9 @@ Every model is built from a transformers config with random weights (nothing is 
 train mode, batch 1, fp32 (or --dtype bfloat16), SDPA attention, all dropout probabilities 0 (with
 attention dropout > 0 CPU attention keeps its probability matrix, and the share saved falls). Bytes
 are what autograd saves in one forward pass (invact.memory.saved_tensors: distinct storages,
-parameters excluded). The torch.compile columns use the min-cut partitioner inductor uses (backend
-aot_eager_decomp_partition: the same decision of what to save, without inductor's code generation).
+parameters excluded). The torch.compile columns use invact.memory.inductor_partition: inductor's
+decompositions, joint-graph passes and min-cut partitioner (the same decision of what to save), without
+inductor's code generation.
 
 The ideal: per activation call, its input (n * 4 bytes) is no longer saved and ceil(n / 8) bytes of
 bits are. "InvAct gated" is invact.patch's default, which also keeps a gated MLP's down projection from
@@ -46,7 +47,7 @@ from torch import nn
 
 import invact
 from invact.activation import REPLACEABLE
-from invact.memory import saved_tensors
+from invact.memory import inductor_partition, saved_tensors
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The paper's memory table: share of saved activation memory InvAct removes.
@@ -299,7 +300,7 @@ def _compiled_bytes(model: nn.Module, inputs: dict, budget: float | None = None)
 
     torch._dynamo.reset()
     with functorch_config.patch(activation_memory_budget=1.0 if budget is None else budget):
-        compiled = torch.compile(_Call(model, inputs), backend="aot_eager_decomp_partition")
+        compiled = torch.compile(_Call(model, inputs), backend=inductor_partition)
         saved_tensors(compiled)  # compile outside the measurement
         return saved_tensors(compiled).saved_bytes
 
@@ -405,7 +406,8 @@ def measure_lm(label: str, small: bool, dtype=torch.float32, compile_columns: bo
     the forward) instead of eager's head and loss; its RMSNorm keeps each call's input and an fp32
     rstd per row (_norms); its SiLU/GELU-mul keeps g and u and recomputes act(g), so act(g) * u's
     factor act(g) is no longer saved. With compile_columns, torch.compile of the model and of the
-    patched model (the loss as invact's op where the head feeds the loss function straight)."""
+    patched model (the loss as invact's op where the head feeds the loss function, straight or
+    through the soft-cap or scale invact.loss reads from the forward's source)."""
     torch.manual_seed(0)
     model, inputs = _lm(label, small)
     model.to(dtype).train()
@@ -591,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": 1,
             "attention": "sdpa",
             "dropout": 0.0,
-            "compile_backend": "aot_eager_decomp_partition",
+            "compile_backend": "invact.memory.inductor_partition",
             **({"remeasured": remeasured} if remeasured else {}),
         },  # fmt: skip
         "rows": rows,
@@ -638,6 +640,7 @@ def _main_lm(args) -> int:
             "batch": 1,
             "labels": True,
             "dropout": "config's",
+            "compile_backend": "invact.memory.inductor_partition",
         },
         "rows": rows,
     }

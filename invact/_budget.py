@@ -4,12 +4,12 @@ AOTAutograd's min-cut partitioner recomputes only the ops of its allowlist, aten
 and a few others: torch 2.13, torch/_functorch/partitioners.py, get_default_op_list), never a custom
 op. With `torch._functorch.config.activation_memory_budget` below 1 it recomputes what it may until the
 saved bytes fit; invact's ops would then keep what they save while the budget alone recomputes the
-activations and norms they replace. Measured (benchmarks/memory.py, fp32, CPU, budget 0.5, share of
-eager's saved bytes): with invact's activation and norm ops, compile + patch() held more than the
-budget alone on Qwen2, Qwen3 (0.3-0.4 points), Mixtral, Qwen3-MoE (3.6) and Gemma 2 (5.0); with them
-traced as torch's ops, what the budget alone holds on each (and on Phi-3 only with the MLP's ops
-traced as its modules too: -40.8% against the budget alone's -50.1% otherwise). So under a budget the
-activation, the MLP and the norm trace as torch's ops, and the partitioner decides for them.
+activations and norms they replace. Measured (benchmarks/memory.py, fp32, CPU, budget 0.5, inductor's
+partitioner: invact.memory.inductor_partition, share of eager's saved bytes): with invact's ops kept,
+compile + patch() held more than the budget alone on Qwen3 (0.3 points), Qwen3-MoE (3.6) and Gemma 2
+(5.0), less on the other thirteen rows; with them traced as torch's ops, what the budget alone holds
+on every row. So under a budget the activation, the MLP and the norm trace as torch's ops, and the
+partitioner decides for them: never more than the budget alone.
 
 Read while dynamo traces; the partitioner reads the same setting when it partitions that graph.
 `traces_custom_ops()` is the one test the op kinds' compiled forwards make: compiling, and neither a

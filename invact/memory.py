@@ -65,7 +65,7 @@ def inductor_partition(gm: torch.fx.GraphModule, example_inputs: list) -> Callab
     torch's aot_eager_decomp_partition backend skips the joint-graph passes, and they change what is
     saved: the passes drop no-op clones (dropout with p=0 in training decomposes to x.clone()), and
     without that the partitioner sees a copy of the attention probabilities as a second tensor and saves
-    both (Gemma 2's eager attention: one more (batch, heads, seq, seq) tensor per layer or so).
+    both (Gemma 2's eager attention, 4 layers: three more (batch, heads, seq, seq) tensors).
     """
     import torch._functorch.config as functorch_config
     from torch._dynamo.backends.common import aot_autograd
