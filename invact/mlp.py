@@ -59,13 +59,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from invact import _bits, experts, kinds
-from invact._budget import traces_custom_ops
+from invact._budget import _transforms_active, traces_custom_ops
 from invact.activations import ACTIVATIONS
 from invact.gated import _Hooks
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.modules import InvAct
-from invact.ops import _eager_backends, _is_wrapped, _transforms_active, plain_dx
+from invact.ops import _eager_backends, _is_wrapped, plain_dx
 
 log = logging.getLogger("invact")
 

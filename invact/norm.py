@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from invact import kinds
-from invact._budget import budgeted
+from invact._budget import _transforms_active, budgeted
 from invact._generated import norms as _spec
 from invact.callers import inplace_use
 from invact.identity import swap
@@ -532,7 +532,7 @@ class InvNorm(nn.Module):
         )
         if (
             not recording
-            or torch._C._are_functorch_transforms_active()
+            or _transforms_active()
             # the partitioner may recompute torch's ops to meet a memory budget (invact._budget)
             or (torch.compiler.is_compiling() and budgeted())
             or (x.dtype == torch.float64 and v.upcast == "float32")  # the module lowers it: nothing to keep

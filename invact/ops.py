@@ -322,7 +322,7 @@ def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor
         if not x.is_contiguous():
             return act.torch_forward(x)
         return torch.ops.invact.forward(x, activation, precision_bit)[0]
-    if not torch._C._are_functorch_transforms_active():
+    if not _transforms_active():
         return _EagerPlain.apply(x, activation, precision_bit)
     if _functorch_wrapped(x):  # storage order is logical order: the transforms' tensors flatten plainly
         x = x.contiguous()
