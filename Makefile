@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: fit test lint clean gpu
+.PHONY: fit test lint clean gpu gpu-quick
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,3 +40,9 @@ clean:
 # torch (PYTHON=...); PARTS="tests tune" runs some parts only.
 gpu:  ## the GPU suite (needs a CUDA device)
 	PYTHON=$(PYTHON) bash benchmarks/gpu_suite.sh $(PARTS)
+
+# The short GPU check: at most 4 minutes on an H100 (benchmarks/gpu_quick.py: the Llama-shaped step
+# eager / patch() / compiled / compiled + patch(), head + loss at Llama-3.2-1B's shape, host time per
+# op kind, the compiled patched step's top host costs). Run it first whenever a GPU is at hand.
+gpu-quick:  ## the short GPU check (needs a CUDA device)
+	PYTHON=$(PYTHON) bash benchmarks/gpu_suite.sh quick

@@ -5,8 +5,8 @@
 # CPU than CI's), the norms' CPU time (benchmarks/norm_time.py: the CPU speed point wants every CPU seen).
 # Results land in benchmarks/results/ named for the device, with one log per part in
 # benchmarks/results/gpu_logs/. Parts can be run alone (each must fit a 10-minute device command):
-#   benchmarks/gpu_suite.sh [tests] [tune] [speed-fp32] [speed-bf16] [memory] [host] [loss] [cpu]
-# (default: all)
+#   benchmarks/gpu_suite.sh [tests] [tune] [speed-fp32] [speed-bf16] [memory] [host] [loss] [cpu] [quick]
+# (default: all but quick, which `make gpu-quick` runs alone: benchmarks/gpu_quick.py, the short check)
 # PYTHON picks the interpreter (default python3). A part that fails is reported and the others still
 # run; the exit status is non-zero if any failed.
 set -uo pipefail
@@ -52,14 +52,15 @@ for part in "${parts[@]}"; do
     memory)
       run memory-fp32 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype float32
       run memory-bf16 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype bfloat16 ;;
-    host) run host "$PYTHON" benchmarks/host_time.py --device cuda ;;
+    host) run host "$PYTHON" benchmarks/host_time.py --device cuda --profile ;;
+    quick) run quick "$PYTHON" benchmarks/gpu_quick.py ;;
     loss) run loss "$PYTHON" benchmarks/loss_time.py --rounds 7 ;;
     cpu)  # the file named for the CPU, beside (not over) the result of the CPU sessions work on
       slug=$("$PYTHON" -c 'import re, sys; sys.path.insert(0, "benchmarks"); from timing import cpu_model
 print(re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(r\)|\(tm\)", "", cpu_model().lower())).strip("-"))')
       run cpu "$PYTHON" benchmarks/norm_time.py --device cpu --threads 1 --rounds 9 \
         --out "benchmarks/results/norm_time_cpu_$slug.json" ;;
-    *) echo "gpu_suite: unknown part '$part' (tests, tune, speed-fp32, speed-bf16, memory, host, loss, cpu)" >&2
+    *) echo "gpu_suite: unknown part '$part' (tests, tune, speed-fp32, speed-bf16, memory, host, loss, cpu, quick)" >&2
        exit 2 ;;
   esac
 done

@@ -50,15 +50,20 @@ def device_busy_ms(fn: Callable[[], None], calls: int, device: str) -> float:
     """Milliseconds per call the device itself spends on fn's work: the profiler's self device time
     summed over every event (kernels, copies, fills) of `calls` calls, divided by `calls`. Unlike a
     step's time it leaves out time the GPU waits for the host. On CPU: the ops' self CPU time (only
-    so that this runs on a machine without a GPU)."""
-    from torch.profiler import ProfilerActivity, profile
+    so that this runs on a machine without a GPU). One call runs first under the profiler, unrecorded: a
+    compiled fn may trace again there (seen once: a Dynamo frame shared with other compiled models)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
+    activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    with profile(
+        activities=activities, schedule=schedule(wait=0, warmup=1, active=calls), acc_events=True
+    ) as prof:
+        for i in range(calls + 1):
             fn()
-        if cuda:
-            torch.cuda.synchronize()
+            if cuda and i in (0, calls):  # the warm-up's kernels stay out of the recorded calls
+                torch.cuda.synchronize()
+            prof.step()
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
     return sum(getattr(event, attribute) for event in prof.key_averages()) / calls / 1e3  # us -> ms
 

@@ -73,7 +73,8 @@ def test_gpu_suite_refuses_without_cuda():
 
 def test_host_time_cpu_run(tmp_path):
     out = tmp_path / "host.json"
-    args = ["--device", "cpu", "--elements", "1024", "--calls", "20", "--rounds", "2", "--out", out]
+    args = ["--device", "cpu", "--elements", "1024", "--calls", "20", "--rounds", "2", "--no-compile"]
+    args += ["--out", out]
     proc = _run(ROOT / "benchmarks" / "host_time.py", *args)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]

@@ -1,0 +1,59 @@
+"""benchmarks/gpu_quick.py (`make gpu-quick`): --small runs every part on a CPU and writes its JSON, so the
+short GPU check never rots between GPU sessions; without --small and without CUDA it refuses in one
+line. The figures themselves come from a GPU run (benchmarks/results/gpu_quick_<device>.json)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "benchmarks" / "gpu_quick.py")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_quick  # noqa: E402
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=900)
+
+
+def test_small_run_writes_every_part(tmp_path):
+    out = tmp_path / "quick.json"
+    proc = _run("--small", "--rounds", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    llama = data["llama"]
+    for variant in gpu_quick.VARIANTS:  # each variant timed by the wall clock and the profiler
+        assert llama[f"{variant}_wall_ms"] > 0 and llama[f"{variant}_busy_ms"] > 0
+        assert len(llama[f"{variant}_wall_rounds_ms"]) == 2
+    assert llama["compile_patch_wall_ratio"] == pytest.approx(
+        llama["compile_patch_wall_ms"] / llama["compile_wall_ms"]
+    )
+    assert {"eager", "invact"} <= set(data["loss"]["variants"])
+    assert (
+        data["loss"]["variants"]["invact"]["held_after_forward_mib"]
+        < data["loss"]["variants"]["eager"]["held_after_forward_mib"]
+    )
+    assert {row["kind"] for row in data["host"]} == {"activation", "mlp", "norm", "loss", "step"}
+    assert data["profile"]["top"]
+    assert "| compile + patch |" in proc.stdout and "top host costs" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
+def test_refuses_without_cuda():
+    proc = _run()
+    assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr
+
+
+def test_check_refuses_a_figure_above_the_peak():
+    row = {"flops": 1.5e12, **{f"{v}_{w}_ms": 1.0 for v in gpu_quick.VARIANTS for w in ("wall", "busy")}}
+    result = {"peak_tflops": 989.5, "llama": row, "loss": {"variants": {"eager": {"tflops": 1.0}}}}
+    assert len(gpu_quick.check(result)) == 2 * len(
+        gpu_quick.VARIANTS
+    )  # 1500 TFLOP/s on every figure, then 750
+    row.update({f"{v}_{w}_ms": 2.0 for v in gpu_quick.VARIANTS for w in ("wall", "busy")})
+    assert gpu_quick.check(result) == []
