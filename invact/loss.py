@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from invact import kinds
+from invact._traced import tag_compile_cache, trace_as
 from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
@@ -122,6 +123,16 @@ def _counted(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
 def _loss_blocks(h, t, weight, bias, ops: tuple, smoothing: float):
     """(the loss summed over the rows of h, fp32 scalar; each row's log-sum-exp, fp32 (rows,)), a
     vocabulary block at a time: every row of h counts."""
+    lse, picked, total = _row_sums(h, t, weight, bias, ops, smoothing)
+    loss = (lse - picked).sum()
+    if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
+        loss = (1 - smoothing) * loss + smoothing * (lse - total.div(weight.shape[0])).sum()
+    return loss, lse
+
+
+def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float):
+    """Per row of h, in fp32, a vocabulary block at a time: (the log-sum-exp of its transformed logits,
+    the logit at its target, with label smoothing the sum of its logits (else None))."""
     vocab = weight.shape[0]
     n = h.shape[0]
     lse = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
@@ -139,15 +150,19 @@ def _loss_blocks(h, t, weight, bias, ops: tuple, smoothing: float):
         picked += torch.where(inside, z.gather(1, at).squeeze(1), 0.0)
         if total is not None:
             total += z.sum(dim=1)
-    loss = (lse - picked).sum()
-    if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
-        loss = (1 - smoothing) * loss + smoothing * (lse - total / vocab).sum()
-    return loss, lse
+    return lse, picked, total
 
 
-def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype):
+def _block_logits(h, w, b):
+    """A block's logits h w^T + b, as the forward computes them."""
+    return F.linear(h, w, b)
+
+
+def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype,
+                 logits=_block_logits):  # fmt: skip
     """(d h in fp32, d weight, d bias; None where not in `needs`) of grad times _loss_blocks' loss,
-    a vocabulary block at a time, the logits recomputed per block."""
+    a vocabulary block at a time, the logits recomputed per block (by `logits`). grad: a scalar, or
+    one factor per row (rows, 1)."""
     vocab = weight.shape[0]
     need_h, need_w, need_b = needs
     dw = torch.empty_like(weight) if need_w else None
@@ -159,7 +174,7 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         w = weight[start:stop]
-        pre = F.linear(h, w, None if bias is None else bias[start:stop])
+        pre = logits(h, w, None if bias is None else bias[start:stop])
         p, scale, tanhs = _transformed(pre, ops, keep=True)
         del pre
         p.sub_(lse).exp_()  # softmax of the transformed logits
@@ -281,6 +296,48 @@ def _(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, nee
             torch.empty_like(weight) if needs[1] else weight.new_empty(0), db)  # fmt: skip
 
 
+# The two ops' bodies in a compiled graph (invact._traced): every row computed, those whose target is
+# ignore_index masked out (which rows count is a value, not a shape), the backward's logits recomputed
+# as (w h^T)^T: the same products in another form, which the joint graph's common-subexpression pass
+# does not merge with the forward's h w^T (merged, each block's logits would be a forward tensor the
+# backward reads, and the partitioner would save them all: the (tokens x vocab) tensor this op exists
+# not to keep).
+def _op_forward_traced(hidden, weight, bias, target, ops: list[float], ignore_index: int, smoothing: float):
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0)  # any class: the row is masked out
+    lse, picked, total = _row_sums(hidden, t, weight, bias, _decode_ops(ops), smoothing)
+    rows = lse - picked
+    if smoothing:
+        rows = (1 - smoothing) * rows + smoothing * (lse - total.div(weight.shape[0]))
+    return torch.where(valid, rows, 0.0).sum(), torch.where(valid, lse, 0.0)
+
+
+def _transposed_logits(h, w, b):
+    z = torch.mm(w, h.t()).t()
+    return z if b is None else z + b
+
+
+def _op_backward_traced(grad, hidden, weight, bias, target, lse, ops: list[float], ignore_index: int,
+                        smoothing: float, needs: list[bool]):  # fmt: skip
+    # == where the forward has !=: not merged with the forward's mask, which the partitioner would keep
+    # (a bool per row, from the int64 targets it keeps anyway)
+    ignored = target == ignore_index
+    t = torch.where(ignored, 0, target)
+    # p = exp(z - lse) is 0 on a row that does not count (lse +inf there): no inf * 0 from its logits
+    lse = torch.where(ignored, math.inf, lse)
+    scale = torch.where(ignored, 0.0, grad).unsqueeze(1)
+    pre_dtype = torch.result_type(hidden, weight)
+    dh, dw, db = _grad_blocks(scale, hidden, t, lse, weight, bias, _decode_ops(ops), smoothing,
+                              (needs[0], needs[1], needs[2] and bias is not None), pre_dtype,
+                              logits=_transposed_logits)  # fmt: skip
+    dhidden = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
+    return dhidden, weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
+
+
+trace_as("invact::linear_cross_entropy", _op_forward_traced)
+trace_as("invact::linear_cross_entropy_backward", _op_backward_traced)
+
+
 def _op_setup_context(ctx, inputs, output):
     hidden, weight, bias, target, ops, ignore_index, smoothing = inputs
     ctx.save_for_backward(hidden, weight, bias, target, output[1])
@@ -341,6 +398,7 @@ def linear_cross_entropy(
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(f"{target.shape[0]} targets for {hidden.shape[0]} rows of hidden states")
     if torch.compiler.is_compiling():
+        tag_compile_cache()
         loss = torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(tuple(ops)),
                                                      ignore_index, float(label_smoothing))[0]  # fmt: skip
     else:

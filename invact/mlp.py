@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import dis
+import functools
 import logging
 import operator
 from typing import NamedTuple
@@ -60,6 +61,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from invact import _bits, experts, kinds
 from invact._budget import _transforms_active, traces_custom_ops
+from invact._traced import as_ops, trace_as
 from invact.activations import ACTIVATIONS
 from invact.gated import _Hooks
 from invact.identity import swap
@@ -283,6 +285,40 @@ def _gate_up_linear_autograd(ctx, dout):
 
 
 gate_up_linear.register_autograd(_gate_up_linear_autograd, setup_context=_gate_up_linear_setup)
+
+
+# The two ops' bodies in a compiled graph (invact._traced): the same torch ops, except that each
+# backward recomputes the product in the other operand order (bitwise the same: IEEE multiplication
+# commutes), so that the joint graph's common-subexpression pass leaves it a backward node. Merged with
+# the forward's product, it would be a forward tensor a matmul reads in backward, which the partitioner
+# saves: the gated product eager patch() does not keep.
+def _gated_linear_backward_traced(dout, y, u, weight, bias_grad: bool):
+    rows = dout.reshape(-1, dout.shape[-1])
+    dweight = rows.t().mm((u * y).reshape(-1, y.shape[-1]))  # the product, in the other order
+    dbias = rows.sum(0) if bias_grad else rows.new_empty(0)
+    dh = dout.matmul(weight)
+    return dh * u, dh * y, dweight, dbias
+
+
+def _gate_up_linear_traced(gate_up, weight, bias, activation: str):
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.linear(u * ACTIVATIONS[activation].torch_forward(g), weight, bias)
+
+
+def _gate_up_linear_backward_traced(dout, gate_up, weight, bias_grad: bool, activation: str):
+    g, u = gate_up.chunk(2, dim=-1)
+    act = ACTIVATIONS[activation]
+    y = act.torch_forward(g)
+    rows = dout.reshape(-1, dout.shape[-1])
+    dweight = rows.t().mm((y * u).reshape(-1, y.shape[-1]))  # the forward's u * y, in the other order
+    dbias = rows.sum(0) if bias_grad else rows.new_empty(0)
+    return experts.gate_up_grad(dout.matmul(weight), g, u, y, act), dweight, dbias
+
+
+trace_as("invact::gated_linear", _gated_linear_impl)
+trace_as("invact::gated_linear_backward", _gated_linear_backward_traced)
+trace_as("invact::gate_up_linear", _gate_up_linear_traced)
+trace_as("invact::gate_up_linear_backward", _gate_up_linear_backward_traced)
 
 
 class Pattern(NamedTuple):
@@ -583,8 +619,23 @@ def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
+@functools.cache
+def _keeping_ops(mode_type: type) -> type:
+    """A subclass of a selective checkpoint's dispatch mode under which invact's ops are recorded as ops
+    (invact._traced.as_ops) while it handles a call: the policy then sees invact's op, not its body."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with as_ops():
+            return mode_type.__torch_dispatch__(self, func, types, args, kwargs)
+
+    return type(f"KeepingOps{mode_type.__name__}", (mode_type,), {"__torch_dispatch__": __torch_dispatch__})
+
+
 def _contexts():
-    return create_selective_checkpoint_contexts(_policy)
+    modes = create_selective_checkpoint_contexts(_policy)
+    for mode in modes:
+        mode.__class__ = _keeping_ops(type(mode))
+    return modes
 
 
 class Recomputed:

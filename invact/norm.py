@@ -46,6 +46,7 @@ from torch import nn
 from invact import kinds
 from invact._budget import _transforms_active, budgeted
 from invact._generated import norms as _spec
+from invact._traced import tag_compile_cache, trace_as
 from invact.callers import inplace_use
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
@@ -174,10 +175,16 @@ def _bf16_bits(y: torch.Tensor) -> torch.Tensor:
     return y.view(torch.int16).to(torch.int32) << 16
 
 
-def encode_residual(pre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def encode_residual(pre: torch.Tensor, y: torch.Tensor, kernels: bool = True) -> torch.Tensor:
     """The 4-bit rounding residuals of y = pre.to(16-bit), two per byte (element 2i in the low nibble
-    of byte i): ceil(n / 2) bytes."""
-    if y.dtype == torch.bfloat16 and y.is_cpu and pre.dtype == torch.float32 and _numba_available():
+    of byte i): ceil(n / 2) bytes. `kernels` False: torch ops only (a compiled graph's body)."""
+    if (
+        kernels
+        and y.dtype == torch.bfloat16
+        and y.is_cpu
+        and pre.dtype == torch.float32
+        and _numba_available()
+    ):
         from invact import _norm_cpu
 
         return _norm_cpu.encode_bf16(pre.contiguous(), y.contiguous())  # the same bytes in one pass
@@ -207,10 +214,19 @@ def decode_residual(y: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def invertible(weight, bias, v: Variant, dtype: torch.dtype) -> bool:
     """h can be recovered from a y stored in `dtype` within u (|h| + RHO_MAX) (module docstring)."""
+    failing = _failing(weight, bias, v, dtype)
+    return not (failing if isinstance(failing, bool) else bool(failing))
+
+
+def _failing(weight, bias, v: Variant, dtype: torch.dtype) -> bool | torch.Tensor:
+    """not invertible(...), as a 0-d bool tensor on the weight's device (not read back), or a bool where
+    no weight has values to check."""
     if weight is None:
-        return True  # y = h (+ b): nothing to divide by
+        return False  # y = h (+ b): nothing to divide by
     if weight.is_meta:  # shapes only (invact plan): as for parameters as initialized
-        return True
+        return False
+    if hasattr(weight, "full_tensor"):  # a DTensor (FSDP2's sharded parameter): every rank checks all
+        weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
     info = torch.finfo(dtype)
     u = info.eps / 2
     eta = info.smallest_normal * info.eps / 2  # half the smallest subnormal
@@ -218,7 +234,7 @@ def invertible(weight, bias, v: Variant, dtype: torch.dtype) -> bool:
         w_eff = weight.float().abs() if not v.offset else (weight.float() + v.offset).abs()
         top = bias.float().abs() + eta / u if bias is not None else torch.full_like(w_eff, eta / u)
         # not (top > RHO_MAX w_eff): a NaN weight saves x too
-        return not bool((top > RHO_MAX * w_eff).any() or w_eff.isnan().any())
+        return ((top > RHO_MAX * w_eff) | w_eff.isnan()).any()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -239,14 +255,16 @@ def _numba_available() -> bool:
 
 
 def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs: tuple[bool, bool, bool],
-             residual=None):  # fmt: skip
+             residual=None, kernels: bool = True):  # fmt: skip
     """(dx, dweight, dbias) from what the forward kept: y (from_x False) or x, and the statistics;
-    `residual`: y's packed rounding residuals (encode_residual), where the forward kept them."""
+    `residual`: y's packed rounding residuals (encode_residual), where the forward kept them;
+    `kernels` False: torch ops only, no Triton or numba kernel (a compiled graph's body)."""
     d = kept.shape[-1]
     cd = compute_dtype(v, kept.dtype)
     rstd_c = _rows(rstd.to(cd))
     w_eff = None if weight is None else (weight.to(cd) + v.offset if v.offset else weight.to(cd))
-    if not from_x and cd == torch.float32 and (_triton_backend(kept) or kept.is_cpu and _numba_available()):
+    fused = kernels and (_triton_backend(kept) or kept.is_cpu and _numba_available())
+    if not from_x and cd == torch.float32 and fused:
         dx, dw, db = _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v)
         return _cast_grads(dx if needs[0] else None, dw if needs[1] else None, db, dy, weight, bias, needs)
     if from_x:  # exactly eager's h
@@ -461,6 +479,114 @@ def _op_autograd_backward(ctx, dy, *_):
 _op_forward.register_autograd(_op_autograd_backward, setup_context=_op_setup_context)
 
 
+def _forward_traced(x, weight, bias, eps: float, variant: str, keep_x: bool, key: int):
+    """invact::norm_forward's body in a compiled graph (invact._traced): the variant's torch ops, the
+    residuals in torch ops, x kept where the call was traced keeping it. The parameters' check is not
+    made here (no value is read in a graph): it was made when the call was traced, and is made again
+    after every optimizer step and state-dict load (refresh)."""
+    v = VARIANTS[variant]
+    y, _, rstd, pre = _forward(x, weight, bias, eps, v)
+    rstd = rstd.to(compute_dtype(v, x.dtype))
+    no_bytes = x.new_empty(0, dtype=torch.uint8)
+    residual = encode_residual(pre, y, kernels=False) if pre is not None else no_bytes
+    return y, rstd, residual, x.detach().flatten().clone() if keep_x else x.new_empty(0)
+
+
+def _backward_traced(dy, y, rstd, residual, x_kept, weight, bias, variant: str, x_dtype, needs: list[bool]):
+    """invact::norm_backward's body in a compiled graph: backward's torch ops, from y (or x where kept)."""
+    v = VARIANTS[variant]
+    if x_kept.numel():
+        kept = x_kept.view(y.shape)
+        mean = kept.to(compute_dtype(v, kept.dtype)).mean(-1, keepdim=True) if v.center else None
+        dx, dw, db = backward(dy, kept, mean, rstd, weight, bias, v, True, tuple(needs), kernels=False)
+    else:
+        dx, dw, db = backward(dy, y, None, rstd, weight, bias, v, False, tuple(needs),
+                              residual if residual.numel() else None, kernels=False)  # fmt: skip
+    return (
+        dy.new_empty(0) if dx is None else dx.to(x_dtype),
+        dy.new_empty(0) if dw is None else dw,
+        dy.new_empty(0) if db is None else db,
+    )
+
+
+trace_as("invact::norm_forward", _forward_traced)
+trace_as("invact::norm_backward", _backward_traced)
+
+
+# Under torch.compile a call is traced keeping x or not (its `keep_x`, read from _invact_keep_x, a value
+# Dynamo guards), and the compiled graph runs no Python to check the parameters again. So they are
+# checked when a call is traced (_keep_x_traced, a constant to Dynamo: called once, on the real module),
+# and again by refresh(): after every optimizer step (torch.optim's global step hook) and every
+# load_state_dict of a traced norm. Where an answer changes, _invact_keep_x does, and the next call is
+# traced again. A parameter changed otherwise between compiled calls is checked by refresh(model).
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # InvNorm -> {y's dtype: versions}
+_STEP_HOOK: list = []  # the optimizer step hook's handle, once registered
+
+
+def _versions(module: nn.Module) -> tuple:
+    """What says whether a module's parameters are still those last checked: their ids and versions."""
+    params = module._parameters
+    return tuple(
+        (id(t), t._version) if t is not None else None for t in (params.get("weight"), params.get("bias"))
+    )
+
+
+def _keep_x_traced(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a call of `module` being traced with y in `dtype` keeps x: its parameters checked now
+    (on CUDA one bool read back), and the module entered among those refresh() checks again."""
+    keep = not module._invertible(dtype)
+    if module not in _TRACED:
+        _TRACED[module] = {}
+        module.register_load_state_dict_post_hook(lambda m, _keys: refresh([m]))
+    _TRACED[module][dtype] = _versions(module)
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_step))
+    return keep
+
+
+_keep_x_traced._dynamo_marked_constant = True  # as torch.compiler.assume_constant_result marks it
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    refresh()
+
+
+def refresh(modules=None) -> None:
+    """Check again the parameters of the norms traced under torch.compile (or of those in `modules`: a
+    model, or an iterable of modules), for each dtype of y they were traced with, where a parameter has
+    changed since its last check; where the answer changes, the next compiled call is traced again
+    (keeping x, or no longer). One read back per device for all of them."""
+    if modules is None:
+        chosen = list(_TRACED)
+    else:
+        found = modules.modules() if isinstance(modules, nn.Module) else modules
+        chosen = [m for m in found if m in _TRACED]
+    todo = []
+    for module in chosen:
+        versions = _versions(module)
+        for dtype, seen in _TRACED[module].items():
+            if seen != versions:
+                params = module._parameters
+                failing = _failing(
+                    params.get("weight"), params.get("bias"), VARIANTS[module._invact_variant], dtype
+                )
+                todo.append((module, dtype, versions, failing))
+    by_device: dict = {}
+    for i, (*_, failing) in enumerate(todo):
+        if isinstance(failing, torch.Tensor):
+            by_device.setdefault(failing.device, []).append(i)
+    answers = [f for *_, f in todo]
+    for indices in by_device.values():  # one read back per device
+        for i, value in zip(indices, torch.stack([todo[i][3] for i in indices]).tolist(), strict=True):
+            answers[i] = value
+    for (module, dtype, versions, _), failing in zip(todo, answers, strict=True):
+        _record(module, dtype, not failing)
+        _TRACED[module][dtype] = versions
+        module._invact_checked = None  # the eager check's cache: computed again at its next call
+
+
 class InvNorm(nn.Module):
     """A normalization over the last dimension that saves its output and per-row rstd for backward
     (see the module docstring).
@@ -539,6 +665,8 @@ class InvNorm(nn.Module):
         ):
             return forward(x, weight, bias, eps, v)[0]
         if torch.compiler.is_compiling():  # traced as the custom op (see _op_forward)
+            tag_compile_cache()
+            _keep_x_traced(self, x.dtype)  # the parameters checked as the call is traced (see _TRACED)
             keep_x = x.dtype in self._invact_keep_x  # a guard: traced again where it changes
             op = torch.ops.invact.norm_forward
             return op(x, weight, bias, eps, self._invact_variant, keep_x, id(self))[0]

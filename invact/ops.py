@@ -19,6 +19,7 @@ import torch
 from invact import _bits, _float64, _numba, _portable
 from invact._budget import _transforms_active, traces_custom_ops
 from invact._layout import flat, like, shaped_like
+from invact._traced import trace_as
 from invact.activations import ACTIVATIONS, Activation
 
 BACKENDS = ("torch", "triton")
@@ -126,6 +127,24 @@ _backward = torch.library.custom_op("invact::backward", _backward_impl, mutates_
 @_backward.register_fake
 def _(dy, y, bits, activation, precision_bit):
     return torch.empty_like(y, dtype=dy.dtype)
+
+
+def _forward_traced(x: torch.Tensor, activation: str, precision_bit: bool):
+    """invact::forward's body in a compiled graph (invact._traced): torch's op and the bits, in torch
+    ops that inductor fuses into one pass."""
+    return _portable.forward(ACTIVATIONS[activation], x, precision_bit)
+
+
+def _backward_traced(dy, y, bits, activation: str, precision_bit: bool) -> torch.Tensor:
+    """invact::backward's body in a compiled graph: dy * q(y, bit) in torch ops (the q each dtype's
+    kernels evaluate), which inductor fuses with the ops around it."""
+    dx = _portable.backward(ACTIVATIONS[activation], flat(y), bits, flat(like(dy, y)), precision_bit)
+    return shaped_like(dx, y)
+
+
+trace_as("invact::forward", _forward_traced)
+# float64's backward inverts y by Newton iterations that read values (invact._float64): kept as the op
+trace_as("invact::backward", _backward_traced, when=lambda dy, y, *_: y.dtype != torch.float64)
 
 
 def _save(ctx, y, bits, activation, precision_bit):

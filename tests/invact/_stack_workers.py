@@ -78,9 +78,9 @@ def _step(mode: str, rank: int) -> dict:
         fully_shard(model.up)
         fully_shard(model.down)
         wrapped = fully_shard(model)
-    nodes, ops = [], set()
+    nodes, ops, traced = [], set(), set()
     if mode.endswith("compiled"):
-        wrapped = torch.compile(wrapped, backend=_recording(ops), fullgraph=False)
+        wrapped = torch.compile(wrapped, backend=_recording(ops, traced), fullgraph=False)
     else:
         model.act.register_forward_hook(lambda m, i, o: nodes.append(type(o.grad_fn).__name__))
     loss_fn(wrapped(x)).backward()
@@ -88,11 +88,14 @@ def _step(mode: str, rank: int) -> dict:
     for name, p in model.named_parameters():
         g = p.grad
         grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return {"grads": grads, "nodes": nodes, "ops": sorted(ops), "param_type": type(model.up.weight).__name__}
+    return {"grads": grads, "nodes": nodes, "ops": sorted(ops), "traced": sorted(traced),
+            "param_type": type(model.up.weight).__name__}  # fmt: skip
 
 
-def _recording(ops: set):
-    """aot_eager whose forward and backward graphs add the names of the ops they call to `ops`."""
+def _recording(ops: set, traced: set | None = None):
+    """aot_eager whose forward and backward graphs (what runs) add the names of the ops they call to
+    `ops`; and where `traced` is given, Dynamo's graph (what was traced, before AOTAutograd decomposes
+    invact's ops into their bodies: invact._traced) the names of its ops to `traced`."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -100,7 +103,17 @@ def _recording(ops: set):
         ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=record, bw_compiler=record)
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    if traced is None:
+        return backend
+
+    def dynamo(gm, example_inputs):  # the graph and its subgraphs (a checkpointed region's body)
+        for sub in gm.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                traced.update(str(n.target) for n in sub.graph.nodes if n.op == "call_function")
+        return backend(gm, example_inputs)
+
+    return dynamo
 
 
 def no_numba() -> None:

@@ -219,7 +219,7 @@ def _fused(m: nn.Module) -> bool:
 
 
 @pytest.mark.parametrize("hooked", [False, True], ids=["fused", "hooked"])
-def test_under_checkpointing_and_compile_nothing_changes_but_the_memory(hooked):
+def test_under_checkpointing_and_compile_nothing_changes_but_the_memory(hooked, portable):
     torch.manual_seed(1)
     x = torch.randn(BATCH, SEQ, HIDDEN)
     grads = []
@@ -393,7 +393,7 @@ def test_t5_gated_gelu_with_and_without_dropout(dropout, products_saved):
     assert abs(held[0] - held[1] - ideal) <= 0.01 * max(ideal, BATCH * SEQ * INTERMEDIATE * 4)
 
 
-def test_compile_fullgraph_of_a_patched_decoder_matches_eager():
+def test_compile_fullgraph_of_a_patched_decoder_matches_eager(portable):
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)

@@ -126,7 +126,7 @@ def test_gradcheck_float64(act_class):
     assert torch.autograd.gradcheck(act_class(), (x,))
 
 
-def test_compile_fullgraph(act_class):
+def test_compile_fullgraph(act_class, portable):
     torch.manual_seed(2)
     m = act_class()
     x, dy = torch.randn(1000), torch.randn(1000)

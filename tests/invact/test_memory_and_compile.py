@@ -107,7 +107,7 @@ _COMPILED = [("aot_eager", n) for n in NAMES] + [
 
 @pytest.mark.parametrize(("backend", "name"), _COMPILED)
 @pytest.mark.parametrize("mode", ["bits", "precision_bit"])
-def test_compiled_mlp_matches_eager(backend, mode, name):
+def test_compiled_mlp_matches_eager(backend, mode, name, portable):
     torch.manual_seed(0)
     eager = MLP(invact.InvAct(name, mode=mode))
     compiled_model = MLP(invact.InvAct(name, mode=mode))
@@ -116,10 +116,20 @@ def test_compiled_mlp_matches_eager(backend, mode, name):
     x = torch.randn(16, 64)
     torch._dynamo.reset()
     want, got = _grads(eager, x), _grads(compiled, x)
-    # Same ops in the same order for aot_eager; inductor may fuse the Linear epilogues (fp32 rounding).
-    tol = 0 if backend == "aot_eager" else 1e-5
-    for a, b in zip([want[0], want[1], *want[2]], [got[0], got[1], *got[2]], strict=True):
-        assert torch.allclose(a, b, atol=tol, rtol=tol)
+    if backend == "aot_eager":  # the same ops in the same order: bitwise
+        for a, b in zip([want[0], want[1], *want[2]], [got[0], got[1], *got[2]], strict=True):
+            assert torch.equal(a, b)
+        return
+    # inductor fuses the Linear epilogues (fp32 rounding) and computes y and q with its own code
+    assert torch.allclose(want[0], got[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip([want[1], *want[2]], [got[1], *got[2]], strict=True):
+        assert (a - b).norm() <= INDUCTOR_GRAD_RTOL * a.norm()
+
+
+# Norm-wise relative gradient difference, inductor against eager on the portable backend: measured at
+# most 2.9e-6 over every activation (GELU: inductor's fp32 erf gives a y an ulp from aten's where q is
+# steep, by the cusp; 2.5e-7 or less for the others); 1e-5 leaves 3x.
+INDUCTOR_GRAD_RTOL = 1e-5
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -330,7 +330,7 @@ def _compiled(model: nn.Module, backend="aot_eager", **patches):
 
 
 @pytest.mark.parametrize("form", ["gated", "gated, up first"])
-def test_compiled_it_runs_the_op_with_the_unfused_modules_results(form):
+def test_compiled_it_runs_the_op_with_the_unfused_modules_results(form, portable):
     """aot_eager runs the traced ops as eager does: the output is the unfused module's bitwise (the
     op's forward is F.linear(y * u)), and so are the weights' gradients (the op's backward forms them
     by the same products); x's gradient sums its two projections' parts in the order the traced graph
@@ -348,14 +348,19 @@ def test_compiled_it_runs_the_op_with_the_unfused_modules_results(form):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_it_saves_what_eager_saves(dtype):
-    """With the min-cut partitioner inductor uses, the compiled patched MLP saves the eager patched
-    MLP's bytes: no product h (without the op the partitioner kept it for the down projection)."""
+def test_compiled_it_saves_no_more_than_eager(dtype):
+    """With the min-cut partitioner inductor uses, the compiled patched MLP saves no more than the eager
+    patched MLP: no product h (the op's backward recomputes it in a form the joint graph's CSE does not
+    merge with the forward's: merged, the partitioner kept it for the down projection). It may save
+    less: where the activation's output feeds only elementwise backward ops, the partitioner keeps its
+    input g instead of y and the bits (recomputing both), one byte-eighth per element fewer."""
     _, fused = _pair("gated", "silu", dtype, bias=False)
     x = torch.randn(SHAPES["batch x seq"], dtype=dtype, requires_grad=True)
     compiled = _compiled(fused, inductor_partition)
     _saved_bytes(compiled, x)  # compile outside the measurement
-    assert _saved_bytes(compiled, x) == _saved_bytes(fused, x)
+    eager = _saved_bytes(fused, x)
+    product = x[..., :1].numel() * INTERMEDIATE * x.element_size()  # one h
+    assert eager - product < _saved_bytes(compiled, x) <= eager
 
 
 def test_compiled_under_a_memory_budget_it_saves_no_more_than_compiled_alone():
@@ -487,7 +492,7 @@ def test_t5s_gated_mlp_is_recomputed_not_fused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_t5s_gated_mlp_saves_what_eager_saves(dtype):
+def test_compiled_t5s_gated_mlp_saves_what_eager_saves(dtype, portable):
     """Compiled, the selective checkpoint recomputes the product y * u that the partitioner would save
     for wo (one product more than eager patch() without it); gradients bitwise eager's (aot_eager: the
     same kernels, the product recomputed by the same multiply on the same operands)."""

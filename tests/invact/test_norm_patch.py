@@ -226,9 +226,10 @@ def _step(model, ids, weights):
     return out, [p.grad for p in model.parameters()]
 
 
-def test_compile_fullgraph_runs_the_norm_op_and_matches_eager():
+def test_compile_fullgraph_runs_the_norm_op_and_matches_eager(portable):
     """aot_eager runs the same ops as eager, so a patched model compiled with fullgraph=True gives the
-    eager patched model's output and gradients bitwise, through invact::norm_forward/norm_backward."""
+    eager patched model's output and gradients bitwise, through invact::norm_forward/norm_backward's
+    bodies."""
     _, inverted = _llama_pair()
     ids = _ids()
     weights = torch.randn(BATCH, SEQ, 64, generator=torch.Generator().manual_seed(2))
@@ -240,7 +241,7 @@ def test_compile_fullgraph_runs_the_norm_op_and_matches_eager():
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True))
 
 
-def test_compiled_with_frozen_norm_weights_matches_eager():
+def test_compiled_with_frozen_norm_weights_matches_eager(portable):
     """Norms whose weights want no gradient (PEFT freezes the base model): the backward op returns
     neither dweight nor dbias, as distinct empty tensors (an op's outputs may not alias each other);
     the compiled model's output and gradients are the eager patched model's, bitwise (aot_eager)."""
@@ -266,11 +267,12 @@ def _saved_by(model, ids) -> int:
     return counter.report.saved_bytes
 
 
-def test_under_compile_a_norm_whose_weight_turns_non_invertible_keeps_x():
-    """A call traced keeping no x, whose norm weight has since gained a zero entry (in place, as an
-    optimizer step changes it), sets its x aside for its own backward: output and gradients are the
-    eager patched model's bitwise (eager keeps x there); and it marks its module, so that the next call
-    is traced keeping that norm's x: one x more saved."""
+@pytest.mark.parametrize("how", ["optimizer step", "by hand, then refresh"])
+def test_under_compile_a_norm_whose_weight_turns_non_invertible_keeps_x(how, portable):
+    """A compiled call runs no Python to check a norm's parameters: they are checked as the call is
+    traced, and again after every optimizer step (or by invact.norm.refresh after an edit by hand).
+    A weight that gains a zero entry marks its module, the next call is traced keeping that norm's x
+    (one x more saved), and output and gradients are the eager patched model's bitwise."""
     _, inverted = _llama_pair()
     ids = _ids()
     weights = torch.randn(BATCH, SEQ, 64, generator=torch.Generator().manual_seed(2))
@@ -280,12 +282,21 @@ def test_under_compile_a_norm_whose_weight_turns_non_invertible_keeps_x():
     before = _saved_by(compiled, ids)
     norm = inverted.layers[0].input_layernorm
     assert norm._invact_keep_x == ()
-    with torch.no_grad():
-        norm.weight[3] = 0.0
+    if how == "optimizer step":  # an SGD step whose gradient takes weight[3] to zero
+        optimizer = torch.optim.SGD([norm.weight], lr=1.0)
+        norm.weight.grad = torch.zeros_like(norm.weight)
+        norm.weight.grad[3] = norm.weight.detach()[3]
+        optimizer.step()
+        assert norm.weight[3] == 0
+    else:
+        with torch.no_grad():
+            norm.weight[3] = 0.0
+        assert norm._invact_keep_x == ()  # nothing ran: a compiled call would not look
+        invact.norm.refresh(inverted)
+    assert norm._invact_keep_x == (torch.float32,)
     reference = copy.deepcopy(inverted)
     want_out, want = _step(reference, ids, weights)
     got_out, got = _step(compiled, ids, weights)
-    assert norm._invact_keep_x == (torch.float32,)
     assert torch.equal(got_out, want_out)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert _saved_by(compiled, ids) == before + BATCH * SEQ * 64 * 4  # the traced call keeps x (fp32)
