@@ -155,6 +155,8 @@ def loss_row(tokens: int, hidden: int, vocab: int, device: str, dtype, rounds: i
             times[k].append(_wall_ms(lambda fn=fn: step(fn), 1, device))
     matmul = 2 * tokens * hidden * vocab
     out = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "variants": {}}
+    out["kernels"] = top_kernels(lambda: step(variants["invact"]), device)
+    out["blocks"] = block_sweep(lambda: step(variants["invact"]), tokens, device, rounds)
     for k, v in times.items():
         ms = statistics.median(v)
         flops = (4 if k == "invact" else 3) * matmul
@@ -162,6 +164,44 @@ def loss_row(tokens: int, hidden: int, vocab: int, device: str, dtype, rounds: i
         out["variants"][k] = {"ms": ms, "ratio_to_eager": ms / eager_ms, "tflops": flops / ms / 1e9,
                               "held_after_forward_mib": held[k] / 2**20}  # fmt: skip
     return out
+
+
+def top_kernels(step, device: str, top: int = 10) -> list[dict]:
+    """The profiler's top device-time events of one call of `step` (its kernels on CUDA; its ops on a
+    CPU): what a slow op spends its time on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    step()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        _sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [{"name": e.key[:90], "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events]
+
+
+# invact.loss's block sizes tried (bytes of one block's fp32 logits): the CUDA figure is measured here.
+BLOCK_SWEEP = (16 * 2**20, 64 * 2**20, 256 * 2**20, 1024 * 2**20)
+
+
+def block_sweep(step, tokens: int, device: str, rounds: int) -> list[dict]:
+    """invact's head + loss step at each of BLOCK_SWEEP's block sizes (median ms of `rounds`)."""
+    from invact import loss
+
+    kind = "cuda" if device == "cuda" else "cpu"
+    before = loss.BLOCK_BYTES[kind]
+    rows = []
+    try:
+        for size in BLOCK_SWEEP:
+            loss.BLOCK_BYTES[kind] = size
+            step()
+            ms = statistics.median(_wall_ms(step, 1, device) for _ in range(rounds))
+            rows.append({"block_bytes": size, "columns": size // (4 * tokens), "ms": ms})
+    finally:
+        loss.BLOCK_BYTES[kind] = before
+    return rows
 
 
 def report(result: dict) -> str:
@@ -186,6 +226,18 @@ def report(result: dict) -> str:
     for k, v in loss["variants"].items():
         lines.append(f"| {k} | {v['ms']:.2f} | {v['ratio_to_eager']:.2f} | {v['tflops']:.0f} | "
                      f"{v['held_after_forward_mib']:.1f} |")  # fmt: skip
+    lines += [
+        "",
+        "invact's head + loss by block size: "
+        + ", ".join(
+            f"{b['block_bytes'] >> 20} MiB ({b['columns']} columns) {b['ms']:.2f} ms" for b in loss["blocks"]
+        ),
+    ]
+    lines += [
+        "",
+        "invact's head + loss, top device events: "
+        + "; ".join(f"{k['name']} {k['ms']:.2f} ms x{k['calls']}" for k in loss["kernels"]),
+    ]
     lines += ["", "Host microseconds per forward + backward (host_time.py's setups)", "",
               host_time.table(result["host"])]  # fmt: skip
     lines += ["", "Compiled + patch() 8B-shaped step: top host costs (profiler)", "",

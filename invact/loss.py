@@ -88,9 +88,10 @@ def block_columns(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
-    """z = ops applied to pre, in fp32 (a new tensor), and the derivative's factors: the product of
-    the scalars and, when keep, each tanh's output (each contributes 1 - t^2)."""
-    z = pre.float() if pre.dtype != torch.float32 else pre.clone()
+    """z = ops applied to pre, in fp32 (pre itself where it is fp32: a block's fresh logits, which the
+    callers may change in place), and the derivative's factors: the product of the scalars and, when
+    keep, each tanh's output (each contributes 1 - t^2)."""
+    z = pre.float() if pre.dtype != torch.float32 else pre
     scale, tanhs = 1.0, []
     for op in ops:
         if op[0] == "mul":
@@ -106,51 +107,81 @@ def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
     return z, scale, tanhs
 
 
-def _counted(hidden: torch.Tensor, target: torch.Tensor, ignore_index: int):
-    """(the rows of hidden and target whose target is not ignore_index, the int64 indices of those rows
-    or None where every row counts). On the meta device (no values) as if one row did not count: the
-    index's bytes, an upper bound."""
-    if hidden.is_meta:
-        rows = torch.empty(target.shape, dtype=torch.long, device="meta")
-    else:
-        valid = target != ignore_index
-        rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
-    if rows is None:
-        return hidden, target, None
-    return hidden.index_select(0, rows), target.index_select(0, rows), rows
+def _masked(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each row counts: target != ignore_index; the targets with those that do not count
+    replaced by class 0, a valid index whose row is masked out). Every row is computed, as eager's
+    F.cross_entropy computes every row's logits: no data-dependent shape, nothing read back."""
+    valid = target != ignore_index
+    return valid, torch.where(valid, target, 0)
 
 
-def _loss_blocks(h, t, weight, bias, ops: tuple, smoothing: float):
-    """(the loss summed over the rows of h, fp32 scalar; each row's log-sum-exp, fp32 (rows,)), a
-    vocabulary block at a time: every row of h counts."""
+def _one_block_loss(h, target, weight, bias, ops: tuple, smoothing: float, ignore_index: int):
+    """The loss summed over the rows that count where the vocabulary is one block: F.cross_entropy on
+    the transformed logits, computed without autograd (nothing kept), as few ops as eager's (a small
+    head's host time is its ops: torch.logsumexp alone took 12 us on 16 x 512, log_softmax 5, on an
+    Intel Xeon); the backward takes the softmax afresh, so no log-sum-exp is kept either."""
+    z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
+    return F.cross_entropy(z, target, ignore_index=ignore_index, reduction="sum", label_smoothing=smoothing)
+
+
+def _row_losses(h, t, weight, bias, ops: tuple, smoothing: float):
+    """(each row's loss, fp32 (rows,): cross-entropy of its transformed logits against t, with label
+    smoothing F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p; each row's
+    log-sum-exp), a vocabulary block at a time."""
     lse, picked, total = _row_sums(h, t, weight, bias, ops, smoothing)
-    loss = (lse - picked).sum()
-    if smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over classes of -log p
-        loss = (1 - smoothing) * loss + smoothing * (lse - total.div(weight.shape[0])).sum()
-    return loss, lse
+    rows = lse - picked
+    if smoothing:
+        rows = (1 - smoothing) * rows + smoothing * (lse - total.div(weight.shape[0]))
+    return rows, lse
 
 
 def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float):
     """Per row of h, in fp32, a vocabulary block at a time: (the log-sum-exp of its transformed logits,
     the logit at its target, with label smoothing the sum of its logits (else None))."""
     vocab = weight.shape[0]
-    n = h.shape[0]
-    lse = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
-    picked = torch.zeros(n, dtype=torch.float32, device=h.device)
-    total = torch.zeros(n, dtype=torch.float32, device=h.device) if smoothing else None
-    step = block_columns(n, vocab, h.device)
+    step = block_columns(h.shape[0], vocab, h.device)
+    if step >= vocab:  # one block: no running sums
+        z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
+        total = z.sum(dim=1) if smoothing else None
+        return torch.logsumexp(z, dim=1), z.gather(1, t.unsqueeze(1)).squeeze(1), total
+    lse = picked = total = None
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         pre = F.linear(h, weight[start:stop], None if bias is None else bias[start:stop])
         z, _, _ = _transformed(pre, ops, keep=False)
         del pre
-        lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
+        block = torch.logsumexp(z, dim=1)
+        lse = block if lse is None else torch.logaddexp(lse, block)
         inside = (t >= start) & (t < stop)
         at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
-        picked += torch.where(inside, z.gather(1, at).squeeze(1), 0.0)
-        if total is not None:
-            total += z.sum(dim=1)
+        here = torch.where(inside, z.gather(1, at).squeeze(1), 0.0)
+        picked = here if picked is None else picked + here
+        if smoothing:
+            total = z.sum(dim=1) if total is None else total + z.sum(dim=1)
     return lse, picked, total
+
+
+def _one_block_grads(scale, h, t, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype):
+    """_grad_blocks where the vocabulary is one block (no lse: the softmax taken afresh), in as few ops
+    and as little Python as it takes: a small head's backward is host time."""
+    z, factor, tanhs = _transformed(F.linear(h, weight, bias), ops, keep=True)
+    p = torch.softmax(z, dim=1)
+    p.scatter_add_(1, t.unsqueeze(1), p.new_full((p.shape[0], 1), smoothing - 1.0))
+    if smoothing:
+        p.sub_(smoothing / weight.shape[0])
+    for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
+        p.mul_(th.square_().neg_().add_(1))
+    p.mul_(scale if factor == 1.0 else scale * factor)
+    d = p if p.dtype is pre_dtype else p.to(pre_dtype)
+    dw = (d.t().mm(h if h.dtype is d.dtype else h.to(d.dtype))).to(weight.dtype) if needs[1] else None
+    db = p.sum(dim=0).to(bias.dtype) if needs[2] else None
+    if not needs[0]:
+        return None, dw, db
+    if d.dtype == torch.float32:
+        return d.mm(weight if weight.dtype is d.dtype else weight.to(d.dtype)), dw, db
+    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    _accumulate(dh, p, d, weight)
+    return dh, dw, db
 
 
 def _block_logits(h, w, b):
@@ -160,34 +191,45 @@ def _block_logits(h, w, b):
 
 def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype,
                  logits=_block_logits):  # fmt: skip
-    """(d h in fp32, d weight, d bias; None where not in `needs`) of grad times _loss_blocks' loss,
-    a vocabulary block at a time, the logits recomputed per block (by `logits`). grad: a scalar, or
-    one factor per row (rows, 1)."""
+    """(d h in fp32, d weight, d bias; None where not in `needs`) of the sum over rows of grad times
+    _row_losses' row loss, a vocabulary block at a time, the logits recomputed per block (by
+    `logits`). grad: one factor per row (rows, 1), 0 for a row that does not count."""
     vocab = weight.shape[0]
     need_h, need_w, need_b = needs
-    dw = torch.empty_like(weight) if need_w else None
-    db = torch.empty_like(bias) if need_b else None
-    # fp32 accumulator across blocks: each block's product is rounded once, the sum is not
-    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
-    lse = lse.unsqueeze(1)
     step = block_columns(h.shape[0], vocab, h.device)
+    one = step >= vocab
+    dw = torch.empty_like(weight) if need_w and not one else None
+    db = torch.empty_like(bias) if need_b and not one else None
+    # fp32 accumulator across blocks: each block's product is rounded once, the sum is not
+    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h and not one else None
+    lse = None if lse is None else lse.unsqueeze(1)  # None: one block, the softmax taken afresh
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
-        w = weight[start:stop]
-        pre = logits(h, w, None if bias is None else bias[start:stop])
+        w = weight if one else weight[start:stop]
+        pre = logits(h, w, None if bias is None else (bias if one else bias[start:stop]))
         p, scale, tanhs = _transformed(pre, ops, keep=True)
         del pre
-        p.sub_(lse).exp_()  # softmax of the transformed logits
-        inside = ((t >= start) & (t < stop)).to(p.dtype)
-        at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
-        p.scatter_add_(1, at, inside.mul_(-(1 - smoothing)).unsqueeze(1))
+        p = p.sub_(lse).exp_() if lse is not None else torch.softmax(p, dim=1)  # of the transformed logits
+        if one:
+            p.scatter_add_(1, t.unsqueeze(1), p.new_full((p.shape[0], 1), -(1 - smoothing)))
+        else:
+            inside = ((t >= start) & (t < stop)).to(p.dtype)
+            at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
+            p.scatter_add_(1, at, inside.mul_(-(1 - smoothing)).unsqueeze(1))
         if smoothing:
             p.sub_(smoothing / vocab)
         for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
             p.mul_(th.square_().neg_().add_(1))
         del tanhs
-        p.mul_(grad * scale)
+        p.mul_(grad * scale if scale != 1.0 else grad)
         d = p.to(pre_dtype)
+        if one:
+            dw = (d.t() @ h.to(d.dtype)).to(weight.dtype) if need_w else None
+            db = p.sum(dim=0).to(bias.dtype) if need_b else None
+            if need_h:
+                dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+                _accumulate(dh, p, d, w)
+            break
         if need_w:
             dw[start:stop] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
         if need_b:
@@ -198,42 +240,49 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
     return dh, dw, db
 
 
-def _spread(dh: torch.Tensor, hidden: torch.Tensor, rows) -> torch.Tensor:
-    """The counted rows' gradient in hidden's dtype and shape, zero on the rows that do not count."""
-    dh = dh.to(hidden.dtype)
-    return dh if rows is None else torch.zeros_like(hidden).index_copy_(0, rows, dh)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over rows r with target[r] != ignore_index of cross_entropy(transform(hidden W^T + bias)),
     fp32, computed a vocabulary block at a time (the module docstring). Eager's path; under
-    torch.compile the custom op invact::linear_cross_entropy (below) runs the same blocks."""
+    torch.compile the custom op invact::linear_cross_entropy (below), whose body is the same blocks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing):
-        h, t, rows = _counted(hidden, target, ignore_index)
-        loss, lse = _loss_blocks(h, t, weight, bias, ops, smoothing)
-        ctx.save_for_backward(hidden, weight, bias, target, lse, rows)
-        ctx.ops, ctx.smoothing = ops, smoothing  # ignore_index: in `rows`
-        ctx.pre_dtype = torch.result_type(h, weight)
-        return loss
+    def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean):
+        # mean: divided by the count of rows that count here, not by an autograd node of its own
+        one = block_columns(hidden.shape[0], weight.shape[0], hidden.device) >= weight.shape[0]
+        if one:
+            loss, lse = _one_block_loss(hidden, target, weight, bias, ops, smoothing, ignore_index), None
+            valid = target != ignore_index if mean else None
+        else:
+            valid, t = _masked(target, ignore_index)
+            rows, lse = _row_losses(hidden, t, weight, bias, ops, smoothing)
+            loss = torch.where(valid, rows, 0.0).sum()
+        count = valid.sum() if mean else None
+        ctx.save_for_backward(hidden, weight, bias, target, lse, count)
+        ctx.ops, ctx.smoothing, ctx.ignore_index, ctx.one = ops, smoothing, ignore_index, one
+        ctx.pre_dtype = torch.result_type(hidden, weight)
+        return loss if count is None else loss / count
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, target, lse, rows = ctx.saved_tensors
-        h = hidden if rows is None else hidden.index_select(0, rows)
-        t = target if rows is None else target.index_select(0, rows)
-        needs = tuple(ctx.needs_input_grad[:3])
-        dh, dw, db = _grad_blocks(grad, h, t, lse, weight, bias, ctx.ops, ctx.smoothing, needs, ctx.pre_dtype)
-        dhidden = None if dh is None else _spread(dh, hidden, rows)
-        return dhidden, dw, db, None, None, None, None
+        hidden, weight, bias, target, lse, count = ctx.saved_tensors
+        if count is not None:
+            grad = grad / count
+        ignored = target == ctx.ignore_index
+        scale, t = torch.where(ignored, 0.0, grad).unsqueeze(1), torch.where(ignored, 0, target)
+        needs = ctx.needs_input_grad[:3]
+        if ctx.one:
+            dh, dw, db = _one_block_grads(scale, hidden, t, weight, bias, ctx.ops, ctx.smoothing, needs,
+                                          ctx.pre_dtype)  # fmt: skip
+        else:
+            dh, dw, db = _grad_blocks(scale, hidden, t, lse, weight, bias, ctx.ops, ctx.smoothing, needs,
+                                      ctx.pre_dtype)  # fmt: skip
+        return None if dh is None else dh.to(hidden.dtype), dw, db, None, None, None, None, None
 
 
-# torch.compile traces the loss as two custom ops, opaque to the partitioner: the forward returns the
-# loss and the log-sum-exp of every row (those that do not count hold 0: an output whose size depended
-# on the targets would be a data-dependent shape), the backward takes what the forward saved: hidden,
-# the head's weight and bias, the targets and that log-sum-exp. The transform is passed as a list of
-# (code, value) floats (OPS: a schema takes no tuples of strings).
+# torch.compile traces the loss as two custom ops: the forward returns the loss and the log-sum-exp of
+# every row, the backward takes what the forward saved: hidden, the head's weight and bias, the targets
+# and that log-sum-exp. The transform is passed as a list of (code, value) floats (OPS: a schema takes
+# no tuples of strings). Their bodies (invact._traced) are what a compiled graph runs.
 OPS = ("mul", "div", "tanh")
 
 
@@ -249,10 +298,9 @@ def _decode_ops(codes: list[float]) -> tuple:
 def _op_forward_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      target: torch.Tensor, ops: list[float], ignore_index: int,
                      smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    h, t, rows = _counted(hidden, target, ignore_index)
-    loss, lse = _loss_blocks(h, t, weight, bias, _decode_ops(ops), smoothing)
-    full = lse if rows is None else lse.new_zeros(hidden.shape[0]).index_copy_(0, rows, lse)
-    return loss, full
+    valid, t = _masked(target, ignore_index)
+    rows, lse = _row_losses(hidden, t, weight, bias, _decode_ops(ops), smoothing)
+    return torch.where(valid, rows, 0.0).sum(), lse
 
 
 _op_forward = torch.library.custom_op("invact::linear_cross_entropy", _op_forward_impl, mutates_args=())
@@ -275,13 +323,22 @@ def _op_backward_impl(
     smoothing: float,
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    h, t, rows = _counted(hidden, target, ignore_index)
-    lse = lse if rows is None else lse.index_select(0, rows)
-    pre_dtype = torch.result_type(h, weight)
-    dh, dw, db = _grad_blocks(grad, h, t, lse, weight, bias, _decode_ops(ops), smoothing,
-                              (needs[0], needs[1], needs[2] and bias is not None), pre_dtype)  # fmt: skip
+    return _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs,
+                             _block_logits)  # fmt: skip
+
+
+def _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs, logits):
+    """invact::linear_cross_entropy_backward's body, each block's logits computed by `logits`."""
+    # == where the forward has !=: in a compiled graph, not merged with the forward's mask, which the
+    # partitioner would keep (a bool per row, from the int64 targets it keeps anyway)
+    ignored = target == ignore_index
+    scale = torch.where(ignored, 0.0, grad).unsqueeze(1)
+    needs = (needs[0], needs[1], needs[2] and bias is not None)
+    dh, dw, db = _grad_blocks(scale, hidden, torch.where(ignored, 0, target), lse, weight, bias,
+                              _decode_ops(ops), smoothing, needs, torch.result_type(hidden, weight),
+                              logits=logits)  # fmt: skip
     # an output is a tensor: a fresh empty one where no gradient is wanted (the autograd formula drops it)
-    dhidden = hidden.new_empty(0) if dh is None else _spread(dh, hidden, rows)
+    dhidden = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
     return dhidden, weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
 
 
@@ -296,46 +353,22 @@ def _(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, nee
             torch.empty_like(weight) if needs[1] else weight.new_empty(0), db)  # fmt: skip
 
 
-# The two ops' bodies in a compiled graph (invact._traced): every row computed, those whose target is
-# ignore_index masked out (which rows count is a value, not a shape), the backward's logits recomputed
-# as (w h^T)^T: the same products in another form, which the joint graph's common-subexpression pass
-# does not merge with the forward's h w^T (merged, each block's logits would be a forward tensor the
-# backward reads, and the partitioner would save them all: the (tokens x vocab) tensor this op exists
-# not to keep).
-def _op_forward_traced(hidden, weight, bias, target, ops: list[float], ignore_index: int, smoothing: float):
-    valid = target != ignore_index
-    t = torch.where(valid, target, 0)  # any class: the row is masked out
-    lse, picked, total = _row_sums(hidden, t, weight, bias, _decode_ops(ops), smoothing)
-    rows = lse - picked
-    if smoothing:
-        rows = (1 - smoothing) * rows + smoothing * (lse - total.div(weight.shape[0]))
-    return torch.where(valid, rows, 0.0).sum(), torch.where(valid, lse, 0.0)
-
-
 def _transposed_logits(h, w, b):
+    """A block's logits as (w h^T)^T: the same products as h w^T in another form, which the joint graph's
+    common-subexpression pass does not merge with the forward's (merged, each block's logits would be a
+    forward tensor the backward reads, and the partitioner would save them all: the (tokens x vocab)
+    tensor this op exists not to keep)."""
     z = torch.mm(w, h.t()).t()
     return z if b is None else z + b
 
 
-def _op_backward_traced(grad, hidden, weight, bias, target, lse, ops: list[float], ignore_index: int,
-                        smoothing: float, needs: list[bool]):  # fmt: skip
-    # == where the forward has !=: not merged with the forward's mask, which the partitioner would keep
-    # (a bool per row, from the int64 targets it keeps anyway)
-    ignored = target == ignore_index
-    t = torch.where(ignored, 0, target)
-    # p = exp(z - lse) is 0 on a row that does not count (lse +inf there): no inf * 0 from its logits
-    lse = torch.where(ignored, math.inf, lse)
-    scale = torch.where(ignored, 0.0, grad).unsqueeze(1)
-    pre_dtype = torch.result_type(hidden, weight)
-    dh, dw, db = _grad_blocks(scale, hidden, t, lse, weight, bias, _decode_ops(ops), smoothing,
-                              (needs[0], needs[1], needs[2] and bias is not None), pre_dtype,
-                              logits=_transposed_logits)  # fmt: skip
-    dhidden = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
-    return dhidden, weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
-
-
-trace_as("invact::linear_cross_entropy", _op_forward_traced)
-trace_as("invact::linear_cross_entropy_backward", _op_backward_traced)
+# The two ops' bodies in a compiled graph (invact._traced): the forward's as it is, the backward's
+# recomputing the logits in the other form.
+trace_as("invact::linear_cross_entropy", _op_forward_impl)
+trace_as(
+    "invact::linear_cross_entropy_backward",
+    functools.partial(_op_backward_body, logits=_transposed_logits),
+)
 
 
 def _op_setup_context(ctx, inputs, output):
@@ -401,12 +434,19 @@ def linear_cross_entropy(
         tag_compile_cache()
         loss = torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(tuple(ops)),
                                                      ignore_index, float(label_smoothing))[0]  # fmt: skip
-    else:
-        loss = _LinearCrossEntropy.apply(hidden, weight, bias, target, tuple(ops), ignore_index,
-                                         float(label_smoothing))  # fmt: skip
-    if reduction == "mean":
-        loss = loss / (target != ignore_index).sum()
-    return loss
+        if reduction == "mean":
+            loss = loss / (target != ignore_index).sum()
+        return loss
+    mean = reduction == "mean"
+    if _is_wrapped(hidden):  # a dead torch.func wrapper: autograd.Function.apply unwraps it
+        return _LinearCrossEntropy.apply(hidden, weight, bias, target, tuple(ops), ignore_index,
+                                         float(label_smoothing), mean)  # fmt: skip
+    return _apply(hidden, weight, bias, target, tuple(ops), ignore_index, float(label_smoothing), mean)
+
+
+# _LinearCrossEntropy's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+_apply = super(torch.autograd.Function, _LinearCrossEntropy).apply
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 class PendingLogits:
@@ -417,7 +457,7 @@ class PendingLogits:
 
     def __init__(self, hidden, weight, bias, ops=(), dtype=None, shape=None):
         self.hidden, self.weight, self.bias, self.ops = hidden, weight, bias, ops
-        self.dtype = dtype or torch.result_type(hidden, weight)
+        self.dtype = dtype or torch.promote_types(hidden.dtype, weight.dtype)
         self.shape = torch.Size(shape or (*hidden.shape[:-1], weight.shape[0]))
 
     device = property(lambda self: self.hidden.device)
@@ -506,31 +546,27 @@ class PendingLogits:
         return func(*[real(a) for a in args], **{k: real(v) for k, v in kwargs.items()})
 
 
-_CE_SIGNATURE = inspect.signature(F.cross_entropy)
-
-
-def _cross_entropy(*args, **kwargs):
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,  # noqa: A002
+                   reduction="mean", label_smoothing=0.0):  # fmt: skip
     """F.cross_entropy(pending, target, ...) by linear_cross_entropy, or None where it does not apply
-    (class weights, probabilities as targets, reduction "none", logits not (rows, vocab))."""
-    bound = _CE_SIGNATURE.bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    pending, target = a["input"], a["target"]
+    (class weights, probabilities as targets, reduction "none", logits not (rows, vocab)). Its
+    parameters are F.cross_entropy's (tests/invact/test_loss.py checks the two signatures): Python binds
+    the call's arguments, not inspect.Signature.bind, which took 9 us a call."""
     if (
-        a["weight"] is not None
-        or a["size_average"] is not None
-        or a["reduce"] is not None
-        or a["reduction"] not in ("mean", "sum")
-        or pending.ndim != 2
+        weight is not None
+        or size_average is not None
+        or reduce is not None
+        or reduction not in ("mean", "sum")
+        or len(input.shape) != 2
         or not isinstance(target, torch.Tensor)
         or target.dtype != torch.long
-        or target.shape != pending.shape[:1]
+        or target.shape != input.shape[:1]
     ):
         return None
-    hidden = pending.hidden.reshape(-1, pending.hidden.shape[-1])
-    return linear_cross_entropy(hidden, pending.weight, target, pending.bias, ops=pending.ops,
-                                ignore_index=a["ignore_index"], reduction=a["reduction"],
-                                label_smoothing=a["label_smoothing"])  # fmt: skip
+    hidden = input.hidden.reshape(-1, input.hidden.shape[-1])
+    return linear_cross_entropy(hidden, input.weight, target, input.bias, ops=input.ops,
+                                ignore_index=ignore_index, reduction=reduction,
+                                label_smoothing=label_smoothing)  # fmt: skip
 
 
 class LossHead(nn.Module):
@@ -797,6 +833,7 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
                         "block at a time: no (tokens x vocab) logits kept")  # fmt: skip
 
 
+@functools.cache
 @functools.cache
 def _labels_at(cls: type) -> int | None:
     """The position of `labels` among the positional arguments of cls.forward (self excluded); None

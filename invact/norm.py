@@ -237,6 +237,14 @@ def _failing(weight, bias, v: Variant, dtype: torch.dtype) -> bool | torch.Tenso
         return ((top > RHO_MAX * w_eff) | w_eff.isnan()).any()
 
 
+# Below this many elements the CPU backward runs the torch formula, not numba's one-pass kernel, whose
+# dispatch and array conversions then cost more than the pass saves. Measured on an Intel Xeon (AVX-512),
+# 1 thread, forward's y kept, rms and layer variants in fp32 and bf16: at 64 elements numba 48-60 us
+# against the formula's 27-42; at 2^14 60-89 against 39-64; at 2^15 mixed (63-102 against 57-90); at
+# 2^16 numba ahead on every variant (83-131 against 123-247).
+NUMBA_MIN_ELEMENTS = 2**14
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -263,7 +271,9 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
     cd = compute_dtype(v, kept.dtype)
     rstd_c = _rows(rstd.to(cd))
     w_eff = None if weight is None else (weight.to(cd) + v.offset if v.offset else weight.to(cd))
-    fused = kernels and (_triton_backend(kept) or kept.is_cpu and _numba_available())
+    fused = kernels and (
+        _triton_backend(kept) or kept.is_cpu and kept.numel() >= NUMBA_MIN_ELEMENTS and _numba_available()
+    )
     if not from_x and cd == torch.float32 and fused:
         dx, dw, db = _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v)
         return _cast_grads(dx if needs[0] else None, dw if needs[1] else None, db, dy, weight, bias, needs)
@@ -348,6 +358,11 @@ class _Norm(torch.autograd.Function):
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
         return dx, dw, db, None, None, None
+
+
+# _Norm's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+_apply_norm = super(torch.autograd.Function, _Norm).apply
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 # torch.compile traces the norm as two custom ops (opaque to the partitioner, which then keeps what
@@ -670,7 +685,9 @@ class InvNorm(nn.Module):
             keep_x = x.dtype in self._invact_keep_x  # a guard: traced again where it changes
             op = torch.ops.invact.norm_forward
             return op(x, weight, bias, eps, self._invact_variant, keep_x, id(self))[0]
-        return _Norm.apply(x, weight, bias, eps, v, self._invertible)
+        if _is_wrapped(x):  # a dead torch.func wrapper: autograd.Function.apply unwraps it
+            return _Norm.apply(x, weight, bias, eps, v, self._invertible)
+        return _apply_norm(x, weight, bias, eps, v, self._invertible)
 
     def invact_repr(self) -> str:
         """What the patch is, for the repr of a patched module (invact.identity)."""

@@ -571,3 +571,14 @@ def test_under_torch_compile_other_steps_keep_the_models_logits():
     assert not patched.get_output_embeddings()._invact_straight
     assert out.logits is not None and not [op for op in traced if "linear_cross_entropy" in op]
     assert abs(loss - want_loss) <= HF_BOUND * abs(want_loss)
+
+
+def test_the_cross_entropy_override_takes_f_cross_entropys_parameters():
+    """PendingLogits hands F.cross_entropy's call to _cross_entropy as it was made (Python binds it):
+    the same parameters, in the same order, with the same defaults."""
+    import inspect
+
+    ours, torchs = inspect.signature(L._cross_entropy), inspect.signature(F.cross_entropy)
+    assert [(p.name, p.default) for p in ours.parameters.values()] == [
+        (p.name, p.default) for p in torchs.parameters.values()
+    ]
