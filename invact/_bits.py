@@ -20,17 +20,19 @@ def pack(mask: torch.Tensor) -> torch.Tensor:
     """1-D bool (n,) -> uint8 (ceil(n/8),)."""
     n = mask.numel()
     if not isinstance(n, int):  # a symbolic size (torch.compile's dynamic shapes)
-        return _pack_symbolic(mask, n)
+        return pack_indexed(mask)
     pad = (-n) % 8
     if pad:
         mask = torch.cat([mask, mask.new_zeros(pad)])
     return ((mask.view(torch.uint8).view(torch.int64) * _GATHER) >> 56).to(torch.uint8)
 
 
-def _pack_symbolic(mask: torch.Tensor, n) -> torch.Tensor:
-    """pack for a symbolic n, with no guard on it: the last byte's missing elements are read as 0 by
-    an index past the end, not appended as a tensor of (-n) % 8 elements (whose size, 0 or not, a
-    traced graph would guard on: one graph per residue of n mod 8)."""
+def pack_indexed(mask: torch.Tensor) -> torch.Tensor:
+    """pack in ops a compiled graph takes: no view of bool as bytes (torch 2.11's inductor cannot lower
+    one) and, for a symbolic n, no guard on it: the last byte's missing elements are read as 0 by an
+    index past the end, not appended as a tensor of (-n) % 8 elements (whose size, 0 or not, a traced
+    graph would guard on: one graph per residue of n mod 8)."""
+    n = mask.numel()
     index = torch.arange(packed_size(n) * 8, device=mask.device)
     inside = index < n
     flags = (mask[index.clamp(max=n - 1)] & inside).view(-1, 8).to(torch.uint8)

@@ -17,7 +17,10 @@ from invact._layout import flat, like, shaped_like
 from invact.activations import SIXTEEN_BIT, Activation
 
 
-def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    act: Activation, x: torch.Tensor, precision_bit: bool, pack=_bits.pack
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack`: how the bits are packed (_bits.pack_indexed in a compiled graph's body)."""
     y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
     no_bits = x.new_empty(0, dtype=torch.uint8)
     if act.monotone:
@@ -25,7 +28,7 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     left = _bits.is_left(flat(like(x, y)), act.threshold)
     if precision_bit and x.dtype != torch.float64:  # y is ours: its lowest mantissa bit becomes the bit
         return _bits.with_lsb(y, shaped_like(left, y)), no_bits
-    return y, _bits.pack(left)
+    return y, pack(left)
 
 
 def backward(act: Activation, y, bits, dy, precision_bit: bool) -> torch.Tensor:

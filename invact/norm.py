@@ -546,9 +546,12 @@ def _versions(module: nn.Module) -> tuple:
     )
 
 
-def _keep_x_traced(module: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether a call of `module` being traced with y in `dtype` keeps x: its parameters checked now
-    (on CUDA one bool read back), and the module entered among those refresh() checks again."""
+def _keep_x_traced(key: int, dtype: torch.dtype) -> bool:
+    """Whether a call of the InvNorm `key` (its id, _MODULES') being traced with y in `dtype` keeps x:
+    its parameters checked now (on CUDA one bool read back), and the module entered among those
+    refresh() checks again. Takes the id, a constant, not the module: torch 2.11's Dynamo hands a
+    constant-result function constants only."""
+    module = _MODULES[key]
     keep = not module._invertible(dtype)
     if module not in _TRACED:
         _TRACED[module] = {}
@@ -640,6 +643,10 @@ class InvNorm(nn.Module):
         # copies and pickles check afresh: weak references neither pickle nor point at a copy's tensors
         return {**super().__getstate__(), "_invact_checked": None}
 
+    def __setstate__(self, state):  # a copy or an unpickled one: known to the op and to a traced call
+        super().__setstate__(state)
+        _known(self)
+
     def _invertible(self, dtype: torch.dtype) -> bool:
         """invertible() of the parameters, computed again only when one of them is another tensor or
         has changed (its version: an optimizer step bumps it). Weak references: a parameter replaced
@@ -681,7 +688,7 @@ class InvNorm(nn.Module):
             return forward(x, weight, bias, eps, v)[0]
         if torch.compiler.is_compiling():  # traced as the custom op (see _op_forward)
             tag_compile_cache()
-            _keep_x_traced(self, x.dtype)  # the parameters checked as the call is traced (see _TRACED)
+            _keep_x_traced(id(self), x.dtype)  # the parameters checked as the call is traced (_TRACED)
             keep_x = x.dtype in self._invact_keep_x  # a guard: traced again where it changes
             op = torch.ops.invact.norm_forward
             return op(x, weight, bias, eps, self._invact_variant, keep_x, id(self))[0]

@@ -132,7 +132,7 @@ def _(dy, y, bits, activation, precision_bit):
 def _forward_traced(x: torch.Tensor, activation: str, precision_bit: bool):
     """invact::forward's body in a compiled graph (invact._traced): torch's op and the bits, in torch
     ops that inductor fuses into one pass."""
-    return _portable.forward(ACTIVATIONS[activation], x, precision_bit)
+    return _portable.forward(ACTIVATIONS[activation], x, precision_bit, pack=_bits.pack_indexed)
 
 
 def _backward_traced(dy, y, bits, activation: str, precision_bit: bool) -> torch.Tensor:
