@@ -218,7 +218,17 @@ def report(result: dict) -> str:
         busy = f"{r[f'{k}_busy_ratio']:.2f}x" if k in bases else ""
         lines.append(f"| {k.replace('_', ' + ')} | {r[f'{k}_wall_ms']:.2f} | {r[f'{k}_busy_ms']:.2f} | "
                      f"{r[f'{k}_tflops']:.0f} | {ratio} | {busy} |")  # fmt: skip
-    loss = result["loss"]
+    lines += ["", loss_report(result["loss"])]
+    lines += ["", "Host microseconds per forward + backward (host_time.py's setups)", "",
+              host_time.table(result["host"])]  # fmt: skip
+    lines += ["", "Compiled + patch() 8B-shaped step: top host costs (profiler)", "",
+              host_time.profile_table(result["profile"])]  # fmt: skip
+    return "\n".join(lines)
+
+
+def loss_report(loss: dict) -> str:
+    """Part 2's markdown: the variants' table, invact's block-size sweep and top device events."""
+    lines = []
     shape = f"{loss['tokens']} x {loss['hidden']} x {loss['vocab']}"
     lines += ["", f"Head + loss, {shape}, forward + backward", "",
               "| variant | ms | x eager | TFLOP/s | held after forward MiB |",
@@ -238,10 +248,6 @@ def report(result: dict) -> str:
         "invact's head + loss, top device events: "
         + "; ".join(f"{k['name']} {k['ms']:.2f} ms x{k['calls']}" for k in loss["kernels"]),
     ]
-    lines += ["", "Host microseconds per forward + backward (host_time.py's setups)", "",
-              host_time.table(result["host"])]  # fmt: skip
-    lines += ["", "Compiled + patch() 8B-shaped step: top host costs (profiler)", "",
-              host_time.profile_table(result["profile"])]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -270,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="the JSON (default results/gpu_quick_<device>.json)"
     )
+    parser.add_argument("--loss-only", action="store_true",
+                        help="part 2 alone (head + loss): results/gpu_quick_loss_<device>.json")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be positive")
@@ -280,6 +288,22 @@ def main(argv: list[str] | None = None) -> int:
     config, shape = (LLAMA_SMALL, (1, 16)) if args.small else (LLAMA_8B, (1, 512))
     calls = 2 if args.small else 5
     t0 = time.perf_counter()
+    if args.loss_only:
+        loss = loss_row(*(LOSS_SMALL if args.small else LOSS_1B), device, dtype, args.rounds)
+        result = {"device": device_name(device), "cpu": cpu_model(), "torch": torch.__version__,
+                  "triton": version("triton"), "dtype": "bfloat16", "rounds": args.rounds,
+                  "loss": loss}  # fmt: skip
+        print(loss_report(loss))
+        peak = device_peak(torch.cuda.get_device_name()) if device == "cuda" else None
+        too_fast = [k for k, v in loss["variants"].items() if peak and v["tflops"] > peak.bf16_tflops]
+        if too_fast:
+            print(
+                f"gpu_quick.py: refusing to write the results: {too_fast} above the bf16 peak",
+                file=sys.stderr,
+            )
+            return 1
+        write_result(result, "gpu_quick_loss", device, out=args.out)
+        return 0
     print("part 1: Llama-shaped step", flush=True)
     llama = llama_step(config, *shape, device, dtype, args.rounds, calls)
     print(f"  {time.perf_counter() - t0:.0f} s; part 2: head + loss", flush=True)

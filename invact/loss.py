@@ -63,6 +63,7 @@ from invact._traced import tag_compile_cache, trace_as
 from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
+from invact.ops import backend_for
 
 log = logging.getLogger("invact")
 
@@ -71,10 +72,12 @@ log = logging.getLogger("invact")
 # tanh of a softcapped head). On CPU, small blocks stay in cache: forward + backward of 512 rows,
 # hidden 128, vocab 128256 on 2 cores of an AMD EPYC Zen 4 took 0.70, 0.61, 0.59, 0.60, 0.87 and
 # 0.91 s (fp32) with 1, 2, 4, 8, 32 and 128 MiB blocks, against 0.61 s eager; bf16 0.28-0.32 s up to 8
-# MiB, 0.60 s at 128 MiB, against 0.52 s eager. On CUDA a block costs about ten kernel launches, so
-# blocks are larger there (not yet measured on a GPU): 64 MiB is 4096 columns at 4096 rows, still a
-# thirty-second of the fp32 logits eager keeps for a 128256-word vocabulary.
-BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
+# MiB, 0.60 s at 128 MiB, against 0.52 s eager. On CUDA (an H200, bf16, 4096 x 2048 x 128256, torch's
+# ops per block: benchmarks/results/gpu_quick_h200.json) 16, 64, 256 and 1024 MiB blocks took 85.5,
+# 32.6, 24.2 and 23.1 ms: launches per block dominate small blocks; 256 MiB is 16384 columns at 4096
+# rows, whose logits in bf16 (the one-pass kernels' only block buffer, invact._loss_triton) are an
+# eighth of eager's fp32 logits for a 128256-word vocabulary.
+BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 # The narrowest block: below it the matmuls get thin (rows x hidden x columns) and the per-block Python
 # overhead grows.
 MIN_COLUMNS = 256
@@ -107,6 +110,15 @@ def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
     return z, scale, tanhs
 
 
+def _kernels(h: torch.Tensor, bias, ops: tuple) -> bool:
+    """invact._loss_triton's one-pass kernels serve this call (CUDA, no bias, a transform they take)."""
+    if bias is not None or backend_for(h) != "triton":
+        return False
+    from invact import _loss_triton
+
+    return _loss_triton.plan(ops) is not None
+
+
 def _masked(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(whether each row counts: target != ignore_index; the targets with those that do not count
     replaced by class 0, a valid index whose row is masked out). Every row is computed, as eager's
@@ -124,22 +136,34 @@ def _one_block_loss(h, target, weight, bias, ops: tuple, smoothing: float, ignor
     return F.cross_entropy(z, target, ignore_index=ignore_index, reduction="sum", label_smoothing=smoothing)
 
 
-def _row_losses(h, t, weight, bias, ops: tuple, smoothing: float):
+def _row_losses(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = True):
     """(each row's loss, fp32 (rows,): cross-entropy of its transformed logits against t, with label
     smoothing F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p; each row's
     log-sum-exp), a vocabulary block at a time."""
-    lse, picked, total = _row_sums(h, t, weight, bias, ops, smoothing)
+    lse, picked, total = _row_sums(h, t, weight, bias, ops, smoothing, kernels)
     rows = lse - picked
     if smoothing:
         rows = (1 - smoothing) * rows + smoothing * (lse - total.div(weight.shape[0]))
     return rows, lse
 
 
-def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float):
+def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = True):
     """Per row of h, in fp32, a vocabulary block at a time: (the log-sum-exp of its transformed logits,
-    the logit at its target, with label smoothing the sum of its logits (else None))."""
+    the logit at its target, with label smoothing the sum of its logits (else None)). `kernels`:
+    invact._loss_triton's passes where they serve the call (False: torch ops only, a compiled graph's
+    body)."""
     vocab = weight.shape[0]
     step = block_columns(h.shape[0], vocab, h.device)
+    if kernels and _kernels(h, bias, ops):
+        from invact import _loss_triton
+
+        n = h.shape[0]
+        lse, picked = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(2))
+        total = torch.empty(n, dtype=torch.float32, device=h.device) if smoothing else None
+        for start in range(0, vocab, step):
+            z = F.linear(h, weight[start : start + step])
+            _loss_triton.forward_block(z, t, lse, picked, total, start, ops, first=start == 0)
+        return lse, picked, total
     if step >= vocab:  # one block: no running sums
         z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
         total = z.sum(dim=1) if smoothing else None
@@ -189,14 +213,35 @@ def _block_logits(h, w, b):
     return F.linear(h, w, b)
 
 
+def _kernel_grad_blocks(grad, h, t, lse, weight, ops: tuple, smoothing: float, needs, logits, step: int):
+    """_grad_blocks by invact._loss_triton's backward pass: per block the logits (in the matmul dtype),
+    d written over them in one pass, then the two products."""
+    from invact import _loss_triton
+
+    vocab = weight.shape[0]
+    dw = torch.empty_like(weight) if needs[1] else None
+    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if needs[0] else None
+    scale = grad.reshape(-1).float().contiguous()
+    for start in range(0, vocab, step):
+        w = weight[start : start + step]
+        d = _loss_triton.backward_block(logits(h, w, None), t, lse, scale, start, vocab, smoothing, ops)
+        if dw is not None:
+            dw[start : start + step] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
+        if dh is not None:  # on CPU tensors (the interpreter) a 16-bit d multiplies in fp32 (_accumulate)
+            _accumulate(dh, d.float() if d.dtype != torch.float32 and not d.is_cuda else None, d, w)
+    return dh, dw, None
+
+
 def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype,
-                 logits=_block_logits):  # fmt: skip
+                 logits=_block_logits, kernels: bool = True):  # fmt: skip
     """(d h in fp32, d weight, d bias; None where not in `needs`) of the sum over rows of grad times
     _row_losses' row loss, a vocabulary block at a time, the logits recomputed per block (by
     `logits`). grad: one factor per row (rows, 1), 0 for a row that does not count."""
     vocab = weight.shape[0]
     need_h, need_w, need_b = needs
     step = block_columns(h.shape[0], vocab, h.device)
+    if kernels and _kernels(h, bias, ops):
+        return _kernel_grad_blocks(grad, h, t, lse, weight, ops, smoothing, needs, logits, step)
     one = step >= vocab
     dw = torch.empty_like(weight) if need_w and not one else None
     db = torch.empty_like(bias) if need_b and not one else None
@@ -249,6 +294,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean):
         # mean: divided by the count of rows that count here, not by an autograd node of its own
         one = block_columns(hidden.shape[0], weight.shape[0], hidden.device) >= weight.shape[0]
+        one = one and not _kernels(hidden, bias, ops)  # the kernels' one pass beats F.cross_entropy's ops
         if one:
             loss, lse = _one_block_loss(hidden, target, weight, bias, ops, smoothing, ignore_index), None
             valid = target != ignore_index if mean else None
@@ -298,8 +344,13 @@ def _decode_ops(codes: list[float]) -> tuple:
 def _op_forward_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      target: torch.Tensor, ops: list[float], ignore_index: int,
                      smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _op_forward_body(hidden, weight, bias, target, ops, ignore_index, smoothing)
+
+
+def _op_forward_body(hidden, weight, bias, target, ops, ignore_index, smoothing, kernels: bool = True):
+    """invact::linear_cross_entropy's body; `kernels` False in a compiled graph (torch ops only)."""
     valid, t = _masked(target, ignore_index)
-    rows, lse = _row_losses(hidden, t, weight, bias, _decode_ops(ops), smoothing)
+    rows, lse = _row_losses(hidden, t, weight, bias, _decode_ops(ops), smoothing, kernels)
     return torch.where(valid, rows, 0.0).sum(), lse
 
 
@@ -324,11 +375,13 @@ def _op_backward_impl(
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs,
-                             _block_logits)  # fmt: skip
+                             _block_logits, kernels=True)  # fmt: skip
 
 
-def _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs, logits):
-    """invact::linear_cross_entropy_backward's body, each block's logits computed by `logits`."""
+def _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs, logits,
+                      kernels: bool = False):  # fmt: skip
+    """invact::linear_cross_entropy_backward's body, each block's logits computed by `logits`;
+    `kernels`: invact._loss_triton's passes where they serve (not in a compiled graph)."""
     # == where the forward has !=: in a compiled graph, not merged with the forward's mask, which the
     # partitioner would keep (a bool per row, from the int64 targets it keeps anyway)
     ignored = target == ignore_index
@@ -336,7 +389,7 @@ def _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index
     needs = (needs[0], needs[1], needs[2] and bias is not None)
     dh, dw, db = _grad_blocks(scale, hidden, torch.where(ignored, 0, target), lse, weight, bias,
                               _decode_ops(ops), smoothing, needs, torch.result_type(hidden, weight),
-                              logits=logits)  # fmt: skip
+                              logits=logits, kernels=kernels)  # fmt: skip
     # an output is a tensor: a fresh empty one where no gradient is wanted (the autograd formula drops it)
     dhidden = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
     return dhidden, weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
@@ -364,7 +417,7 @@ def _transposed_logits(h, w, b):
 
 # The two ops' bodies in a compiled graph (invact._traced): the forward's as it is, the backward's
 # recomputing the logits in the other form.
-trace_as("invact::linear_cross_entropy", _op_forward_impl)
+trace_as("invact::linear_cross_entropy", functools.partial(_op_forward_body, kernels=False))
 trace_as(
     "invact::linear_cross_entropy_backward",
     functools.partial(_op_backward_body, logits=_transposed_logits),

@@ -181,3 +181,30 @@ def test_reduce_overhead_runs_a_patched_model_in_cuda_graphs():
     want_loss, want = steps(plain, None)
     assert torch.equal(got_loss, want_loss)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("transform", ["none", "scale", "softcap"])
+def test_loss_kernels_in_bf16_no_farther_from_float64_than_eager(transform):
+    """invact._loss_triton's passes on CUDA, bf16: the loss and gradients no farther from float64 than
+    eager's (bf16 logits upcast, F.cross_entropy), within test_loss.py's fp32 slack."""
+    import invact.loss as L
+    from tests.invact.test_loss import (
+        HIDDEN,
+        ROWS,
+        TRANSFORMS,
+        VOCAB,
+        _case,
+        _eager,
+        _errors,
+        _fp32_bound,
+        _run,
+    )
+
+    h, w, _, t = (x.cuda() if x is not None else None for x in _case(0))
+    ops = TRANSFORMS[transform]
+    assert L._kernels(h, None, ops)
+    want = _run(lambda h, w: _eager(h, w, None, t, ops, 0.0, "mean"), (h, w), torch.float64)
+    eager = _errors(_run(lambda h, w: _eager(h, w, None, t, ops, 0.0, "mean"), (h, w), torch.bfloat16), want)
+    ours = _errors(_run(lambda h, w: L.linear_cross_entropy(h, w, t, ops=ops), (h, w), torch.bfloat16), want)
+    slack = _fp32_bound(ROWS, HIDDEN, VOCAB)
+    assert all(o <= e + slack for o, e in zip(ours, eager, strict=True)), (ours, eager)

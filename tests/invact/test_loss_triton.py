@@ -1,0 +1,79 @@
+"""invact._loss_triton: the head + loss's one-pass kernels, run here under TRITON_INTERPRET=1 on CPU tensors
+(INVACT_BACKEND=triton), held to test_loss.py's derived fp32 bound against float64, as the torch path
+is. 16-bit accuracy is judged on a GPU (test_cuda.py): the interpreter truncates fp32 -> bf16 casts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import invact.loss as L
+from invact import _loss_triton
+from tests.invact.test_loss import (
+    HIDDEN,
+    ROWS,
+    TRANSFORMS,
+    VOCAB,
+    _case,
+    _eager,
+    _errors,
+    _fp32_bound,
+    _run,
+)
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(params=["one block", "many blocks"])
+def kernels(request, monkeypatch):
+    monkeypatch.setenv("INVACT_BACKEND", "triton")
+    if request.param == "many blocks":  # 211 columns of 96 rows per block: 8 blocks, the last partial
+        monkeypatch.setattr(L, "BLOCK_BYTES", {"cpu": 211 * 4 * ROWS, "cuda": 211 * 4 * ROWS})
+        monkeypatch.setattr(L, "MIN_COLUMNS", 1)
+    return request.param
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fp32_within_the_derived_bound_of_float64(kernels, transform, smoothing, reduction):
+    h, w, _, t = _case(0)
+    ops = TRANSFORMS[transform]
+    assert L._kernels(h.float(), None, ops)  # the kernels serve these calls
+    want = _run(lambda h, w: _eager(h, w, None, t, ops, smoothing, reduction), (h, w), torch.float64)
+    got = _run(
+        lambda h, w: L.linear_cross_entropy(h, w, t, ops=ops, label_smoothing=smoothing, reduction=reduction),
+        (h, w),
+        torch.float32,
+    )
+    bound = _fp32_bound(ROWS, HIDDEN, VOCAB)
+    errors = _errors(got, want)
+    assert max(errors) <= bound, (errors, bound)
+
+
+def test_all_targets_ignored_gives_nan_mean_and_zero_gradients(kernels):
+    h, w, _, t = _case(0, ignored=ROWS)
+    loss, grads = _run(lambda h, w: L.linear_cross_entropy(h, w, t), (h, w), torch.float32)
+    assert loss.isnan() and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+@pytest.mark.parametrize(
+    ("ops", "taken"),
+    [
+        ((), True),
+        ((("mul", 2.0),), True),
+        ((("div", 30.0), ("tanh",), ("mul", 30.0)), True),
+        ((("tanh",),), True),
+        ((("mul", 2.0), ("mul", 3.0)), False),  # two scalar steps before the tanh
+        ((("tanh",), ("tanh",)), False),
+        ((("tanh",), ("mul", 2.0), ("div", 3.0)), False),
+    ],
+)
+def test_plan_takes_one_step_a_tanh_and_one_step(ops, taken):
+    assert (_loss_triton.plan(ops) is not None) == taken
+
+
+def test_a_head_with_a_bias_takes_the_torch_path(monkeypatch):
+    monkeypatch.setenv("INVACT_BACKEND", "triton")
+    h, _, b, _ = _case(0)
+    assert not L._kernels(h.float(), b.float(), ()) and L._kernels(h.float(), None, ())
