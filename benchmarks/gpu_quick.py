@@ -205,10 +205,25 @@ def block_sweep(step, tokens: int, device: str, rounds: int) -> list[dict]:
 
 
 def report(result: dict) -> str:
+    """The whole check's markdown: parts 1 to 4."""
+    lines = [
+        f"gpu-quick on {result['device']} (torch {result['torch']}, triton {result['triton']}, host "
+        f"{result['cpu']}), {result['dtype']}",
+        "",
+        llama_report(result),
+    ]
+    lines += ["", loss_report(result["loss"])]
+    lines += ["", "Host microseconds per forward + backward (host_time.py's setups)", "",
+              host_time.table(result["host"])]  # fmt: skip
+    lines += ["", "Compiled + patch() 8B-shaped step: top host costs (profiler)", "",
+              host_time.profile_table(result["profile"])]  # fmt: skip
+    return "\n".join(lines)
+
+
+def llama_report(result: dict) -> str:
+    """Part 1's markdown: the four variants' wall clock and GPU busy time, with their ratios."""
     r, peak = result["llama"], result.get("peak_tflops")
-    lines = [f"gpu-quick on {result['device']} (torch {result['torch']}, triton {result['triton']}, host "
-             f"{result['cpu']}), {result['dtype']}", "",
-             f"Llama-3.1-8B-shaped decoder, {result['llama_shape']}: ms per forward + backward "
+    lines = [f"Llama-3.1-8B-shaped decoder, {result['llama_shape']}: ms per forward + backward "
              f"({r['flops'] / 1e12:.2f} TFLOP a step; datasheet peak {peak or 'unknown'} TFLOP/s)", "",
              "| variant | wall ms | GPU busy ms | TFLOP/s (wall) | wall ratio | busy ratio |",
              "|---|---|---|---|---|---|"]  # fmt: skip
@@ -218,11 +233,6 @@ def report(result: dict) -> str:
         busy = f"{r[f'{k}_busy_ratio']:.2f}x" if k in bases else ""
         lines.append(f"| {k.replace('_', ' + ')} | {r[f'{k}_wall_ms']:.2f} | {r[f'{k}_busy_ms']:.2f} | "
                      f"{r[f'{k}_tflops']:.0f} | {ratio} | {busy} |")  # fmt: skip
-    lines += ["", loss_report(result["loss"])]
-    lines += ["", "Host microseconds per forward + backward (host_time.py's setups)", "",
-              host_time.table(result["host"])]  # fmt: skip
-    lines += ["", "Compiled + patch() 8B-shaped step: top host costs (profiler)", "",
-              host_time.profile_table(result["profile"])]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -236,6 +246,8 @@ def loss_report(loss: dict) -> str:
     for k, v in loss["variants"].items():
         lines.append(f"| {k} | {v['ms']:.2f} | {v['ratio_to_eager']:.2f} | {v['tflops']:.0f} | "
                      f"{v['held_after_forward_mib']:.1f} |")  # fmt: skip
+    if "blocks" not in loss:  # a result written before the sweep was part of the script
+        return "\n".join(lines)
     lines += [
         "",
         "invact's head + loss by block size: "

@@ -88,6 +88,27 @@ def test_the_readme_gpu_time_table_is_the_committed_results():
         expected = [f"{a['torch_ms']:.2f} ms", f"{a['invact_ratio']:.3f}x", f"{b['torch_ms']:.2f} ms",
                     f"{b['invact_ratio']:.2f}x", f"{b['invact_gpu_ratio']:.2f}x"]  # fmt: skip
         assert cells[:5] == expected, name
-    llama = bf16["Llama-3.1-8B-shaped (batch 1, seq 512, 2 layers)"]
-    prose = " ".join((ROOT / "README.md").read_text().split())
-    assert f"takes {llama['invact_compile_ratio']:.2f}x compiled torch's in bf16" in prose
+
+
+def test_the_gpu_quick_figures_are_the_committed_results():
+    """The README's eager-and-compiled table and the docs' gpu-quick section come from the committed
+    gpu-quick results (benchmarks/gpu_quick.py on the H200): the docs hold its tables as the script
+    prints them, the README its figures to the digit shown."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_quick
+
+    new = json.loads((RESULTS / "gpu_quick_h200.json").read_text())
+    main = json.loads((RESULTS / "gpu_quick_h200_main.json").read_text())
+    loss = json.loads((RESULTS / "gpu_quick_loss_h200.json").read_text())["loss"]
+    docs = (ROOT / "docs" / "results" / "speed-gpu.md").read_text()
+    for table in (gpu_quick.llama_report(main), gpu_quick.llama_report(new), gpu_quick.loss_report(loss)):
+        assert table in docs
+    llama, head = _table_rows((ROOT / "README.md").read_text(), "| setup | torch | invact | torch.compile |")
+    r = new["llama"]
+    assert llama[1:] == [f"{r['eager_wall_ms']:.2f} ms", f"{r['patch_wall_ratio']:.2f}x",
+                         f"{r['compile_wall_ms']:.2f} ms",
+                         f"{r['compile_patch_wall_ratio']:.2f}x"]  # fmt: skip
+    v = loss["variants"]
+    assert head[1:3] == [f"{v['eager']['ms']:.2f} ms", f"{v['invact']['ratio_to_eager']:.2f}x"]
