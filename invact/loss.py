@@ -887,7 +887,6 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
 
 
 @functools.cache
-@functools.cache
 def _labels_at(cls: type) -> int | None:
     """The position of `labels` among the positional arguments of cls.forward (self excluded); None
     where it takes no labels. Once per class: _arm runs on every training forward."""

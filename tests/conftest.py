@@ -6,12 +6,6 @@ import os
 import pytest
 import torch
 
-# torch.compile's on-disk caches key a graph by what Dynamo traced, not by the bodies invact's ops are
-# traced as (invact._traced): a graph cached by an earlier checkout would run that checkout's bodies.
-# The tests compile afresh (subprocesses inherit this).
-os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
-os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
-
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
