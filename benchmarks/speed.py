@@ -59,7 +59,9 @@ from timing import device_busy_ms, device_name, median_ms, timer, version, wall_
 from tune import kernel_bandwidth
 
 # (elements of the bare activation, tokens x width of the Linear/MLP/GeGLU rows, BERT batch x seq x
-# layers, Llama batch x seq x layers)
+# layers, Llama batch x seq x layers; on CPU a Llama-style decoder layer of the rows' width, batch x
+# seq: the shape at which a compiled patched layer took 1.08-1.09x compiled torch's while invact's ops
+# ran their Python in the compiled graph)
 PRESETS = {
     "paper": {
         "elements": 2**25,
@@ -68,8 +70,22 @@ PRESETS = {
         "bert": (64, 1024, 12),
         "llama": (1, 512, 2),
     },
-    "cpu": {"elements": 2**22, "tokens": 2**12, "width": 2**9, "bert": (1, 256, 2), "llama": (1, 128, 1)},
-    "small": {"elements": 2**12, "tokens": 2**6, "width": 2**5, "bert": (1, 16, 1), "llama": (1, 8, 1)},
+    "cpu": {
+        "elements": 2**22,
+        "tokens": 2**12,
+        "width": 2**9,
+        "bert": (1, 256, 2),
+        "llama": (1, 128, 1),
+        "decoder": (4, 256),
+    },
+    "small": {
+        "elements": 2**12,
+        "tokens": 2**6,
+        "width": 2**5,
+        "bert": (1, 16, 1),
+        "llama": (1, 8, 1),
+        "decoder": (1, 8),
+    },
 }
 TORCH_ACTIVATIONS = {
     "gelu": nn.GELU,
@@ -160,6 +176,16 @@ def setups(preset: dict, small: bool) -> list[Setup]:
         lambda config=llama_config: transformers.LlamaModel(transformers.LlamaConfig(**config)),
         _token_ids((b, s)), {"input_ids": (b, s)},
     ))  # fmt: skip
+    if "decoder" in preset:
+        b, s = preset["decoder"]
+        heads = dict(num_attention_heads=max(w // 64, 1), num_key_value_heads=max(w // 256, 1))
+        decoder = dict(hidden_size=w, intermediate_size=w * 8 // 3 // 16 * 16, num_hidden_layers=1,
+                       vocab_size=1000, attn_implementation="sdpa", **heads)  # fmt: skip
+        rows.append(Setup(
+            f"Llama-style decoder layer (hidden {w}, batch {b}, seq {s})",
+            lambda config=decoder: transformers.LlamaModel(transformers.LlamaConfig(**config)),
+            _token_ids((b, s)), {"input_ids": (b, s)},
+        ))  # fmt: skip
     return rows
 
 

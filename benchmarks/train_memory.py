@@ -111,9 +111,14 @@ def step_costs(name: str, small: bool, dtype: torch.dtype, mode: str) -> dict:
         flops[variant] = count.flops
         reads = [ids, *forward_read_parameters(model)]
         min_bytes[variant] = count.minimum_bytes(reads, [loss, *grads]) + adamw
-    if flops["torch"] != flops["invact"]:
-        raise RuntimeError(f"{name}: FLOPs differ between torch and InvAct: {flops}")
-    return {"flops": flops["torch"], "min_bytes": min_bytes}
+    # invact's loss computes the logits again in backward (invact.loss): one (tokens x hidden x vocab)
+    # matmul more than eager's three, and nothing else differs
+    head = model.get_output_embeddings()
+    recompute = 2 * ids.numel() * head.in_features * head.out_features if head is not None else 0
+    if flops["invact"] - flops["torch"] not in (0, recompute):
+        raise RuntimeError(f"{name}: FLOPs differ between torch and InvAct by more than the loss's "
+                           f"recomputed logits ({recompute}): {flops}")  # fmt: skip
+    return {"flops": flops["torch"], "flops_invact": flops["invact"], "min_bytes": min_bytes}
 
 
 def _sync(device: str) -> None:
@@ -168,7 +173,8 @@ def measure(name: str, small: bool, device: str, dtype: torch.dtype, mode: str) 
     row.update(costs)
     for variant in ("torch", "invact"):
         step = row[variant]
-        step["tflops"], step["gbps"] = rates(costs["flops"], costs["min_bytes"][variant], step["step_ms"])
+        flops = costs["flops_invact"] if variant == "invact" else costs["flops"]
+        step["tflops"], step["gbps"] = rates(flops, costs["min_bytes"][variant], step["step_ms"])
     row["saved_drop"] = row["torch"]["saved_bytes"] - row["invact"]["saved_bytes"]
     if device == "cuda":
         row["peak_drop"] = row["torch"]["peak_bytes"] - row["invact"]["peak_bytes"]
@@ -216,7 +222,8 @@ def check_result(result: dict, peak) -> list[str]:
     fp32_matmul = result.get("physics", {}).get("fp32_matmul", "ieee")
     errors = []
     for r in result["rows"]:
-        figures = {f"{v} step": (r[v]["step_ms"], r["flops"], r["min_bytes"][v]) for v in ("torch", "invact")}
+        flops = {"torch": r["flops"], "invact": r.get("flops_invact", r["flops"])}  # older results: one count
+        figures = {f"{v} step": (r[v]["step_ms"], flops[v], r["min_bytes"][v]) for v in ("torch", "invact")}
         errors += row_violations(r["model"], figures, peak, result["dtype"], fp32_matmul)
     return errors
 

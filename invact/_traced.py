@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.compiler.config as _compile_config
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 _PLAIN = (torch.Tensor, FunctionalTensor)
@@ -85,10 +86,9 @@ def tag_compile_cache() -> bool:
     in which invact's ops are single calls, so without it a graph compiled with other bodies (another
     invact version, an edited checkout) would be loaded and run. Called while Dynamo traces a call that
     goes into invact's ops (a constant to Dynamo: run once per trace, not traced); returns True."""
-    config = torch.compiler.config
     tag = f"invact-{_source_digest()}"
-    if tag not in config.cache_key_tag.split():
-        config.cache_key_tag = f"{config.cache_key_tag} {tag}".strip()
+    if tag not in _compile_config.cache_key_tag.split():
+        _compile_config.cache_key_tag = f"{_compile_config.cache_key_tag} {tag}".strip()
     return True
 
 

@@ -286,9 +286,8 @@ def test_invact_forward_and_backward_on_meta(dtype, mode):
 def test_llama_1b_shaped_head_and_loss():
     """Llama-3.2-1B-shaped, batch 1, seq 4096, bf16, with labels: eager's head and loss save the head's
     input, the fp32 log-softmax, the targets (a view of the labels padded by one, int64) and
-    nll_loss's fp32 total weight; patch()'s the same targets, per token one fp32 log-sum-exp and the
-    int64 index of the tokens that count (on meta every token is taken to count: an upper bound), and
-    the int64 count the mean divides by."""
+    nll_loss's fp32 total weight; patch()'s the same targets, per token one fp32 log-sum-exp (every
+    token's row is computed, those ignored masked) and the int64 count the mean divides by."""
     from invact.planner import plan_memory
 
     config = ROOT / "benchmarks" / "configs" / "llama-3.2-1b-shaped.json"
@@ -299,7 +298,7 @@ def test_llama_1b_shaped_head_and_loss():
     targets = (tokens + 1) * 8
     logits = tokens * (cfg["hidden_size"] * bf16 + cfg["vocab_size"] * 4)
     assert kinds["head_loss"]["eager_bytes"] == logits + targets + 4
-    assert kinds["head_loss"]["patched_bytes"] == targets + tokens * (4 + 8) + 8
+    assert kinds["head_loss"]["patched_bytes"] == targets + tokens * 4 + 8
     assert plan["patched_output_bytes"] == 4  # the fp32 loss alone: no logits
     assert plan["output_bytes"] == tokens * cfg["vocab_size"] * bf16 + 4
 
