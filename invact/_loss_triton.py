@@ -73,6 +73,18 @@ def _tanh(x):
 
 
 @triton.jit
+def _transformed(base, cols, inside, PRE: tl.constexpr, pre_value, TANH: tl.constexpr, POST: tl.constexpr,
+                 post_value):  # fmt: skip
+    """A chunk of a row's logits in fp32, transformed, and the tanh's slope 1 - tanh^2 (1 without)."""
+    v = _step(tl.load(base + cols, mask=inside, other=0.0).to(tl.float32), PRE, pre_value)
+    slope = tl.full(v.shape, 1.0, tl.float32)
+    if TANH:
+        v = _tanh(v)
+        slope = 1.0 - v * v
+    return _step(v, POST, post_value), slope
+
+
+@triton.jit
 def _forward_kernel(z_ptr, t_ptr, lse_ptr, picked_ptr, total_ptr, columns, stride, start,
                     PRE: tl.constexpr, pre_value, TANH: tl.constexpr, POST: tl.constexpr, post_value,
                     SMOOTH: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -86,10 +98,7 @@ def _forward_kernel(z_ptr, t_ptr, lse_ptr, picked_ptr, total_ptr, columns, strid
     for c0 in range(0, columns, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         inside = cols < columns
-        v = _step(tl.load(base + cols, mask=inside, other=0.0).to(tl.float32), PRE, pre_value)
-        if TANH:
-            v = _tanh(v)
-        v = _step(v, POST, post_value)
+        v, _ = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
         picked += tl.sum(tl.where(cols == target, v, 0.0), axis=0)
         if SMOOTH:
             total += tl.sum(tl.where(inside, v, 0.0), axis=0)
@@ -124,11 +133,7 @@ def _backward_kernel(z_ptr, t_ptr, lse_ptr, scale_ptr, columns, stride, start, s
     for c0 in range(0, columns, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         inside = cols < columns
-        v = _step(tl.load(base + cols, mask=inside, other=0.0).to(tl.float32), PRE, pre_value)
-        if TANH:
-            v = _tanh(v)
-            slope = 1.0 - v * v
-        v = _step(v, POST, post_value)
+        v, slope = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
         p = tl.exp(v - lse) - tl.where(cols == target, 1.0 - smoothing, 0.0) - spread
         if TANH:
             p = p * slope
