@@ -192,20 +192,27 @@ def encode_residual(pre: torch.Tensor, y: torch.Tensor, kernels: bool = True) ->
         # bf16 is fp32's top 16 bits rounded: pre's pattern minus y's, d in [-2^15, 2^15] units of
         # fp32's last bit (patterns order like magnitudes, and pre and y share a sign), in 16 steps
         d = pre.view(torch.int32) - _bf16_bits(y)
-        code = ((d + 0x8000) >> 12).clamp_(max=15).to(torch.uint8).flatten()
+        code = ((d + 0x8000) >> 12).clamp_(max=15).flatten()
     else:
         y32 = y.float()
         code = ((pre - y32) / _ulp(y32, y.dtype) * _STEPS).round_().clamp_(-8, 7).add_(8)
-        code = code.to(torch.uint8).flatten()
+        code = code.to(torch.int32).flatten()
     if code.numel() % 2:
         code = torch.cat([code, code.new_zeros(1)])
-    return code[0::2] | (code[1::2] << 4)
+    # the codes stay int32 until packed: in a compiled graph's body a byte per code would be a tensor
+    # half again the packed one's size that the partitioner may keep instead (measured: Gemma's norms in
+    # bf16 kept n bytes each where eager keeps n / 2)
+    return (code[0::2] | (code[1::2] << 4)).to(torch.uint8)
 
 
 def decode_residual(y: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """pre recovered from y and its residuals (encode_residual), as fp32 of y's shape, within 1/32 of
     y's ulp (bf16: the middle of pre's 2^12-unit step; fp16: + 1/16 at the clamp)."""
-    code = torch.stack((packed & 15, packed >> 4), dim=-1).flatten()[: y.numel()].view(y.shape)
+    # each byte's two nibbles by a broadcast shift, not a stack: in a compiled graph's body a stack (a
+    # cat, which the partitioner does not recompute) was moved into the forward and its n bytes saved
+    # in place of the n / 2 packed ones (Gemma's norms in bf16)
+    nibbles = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
+    code = ((packed.unsqueeze(-1) >> nibbles) & 15).flatten()[: y.numel()].view(y.shape)
     if y.dtype == torch.bfloat16:  # y's pattern - 2^15 + the step's middle
         return (_bf16_bits(y) + (code.to(torch.int32) << 12) - 0x7800).view(torch.float32)
     y32 = y.float()
