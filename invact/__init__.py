@@ -13,12 +13,14 @@ invact/_generated/modules.py) take torch's constructor arguments.
 from invact import functional, memory
 from invact._generated import modules as _generated_modules
 from invact._generated.modules import *  # noqa: F403 - the torch-compatible classes
+from invact._traced import tag_compile_cache
 from invact.loader import load_activation
 from invact.modules import InvAct
 from invact.ops import backend_for
 from invact.patch import patch, plan
 
 __version__ = "0.1.0"
+tag_compile_cache()  # torch.compile's caches keyed by invact's sources too (invact._traced)
 __all__ = [
     *_generated_modules.__all__,
     "InvAct",

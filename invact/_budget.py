@@ -21,8 +21,6 @@ from __future__ import annotations
 import torch
 import torch._functorch.config as _functorch_config
 
-from invact._traced import tag_compile_cache
-
 _transforms_active = torch._C._are_functorch_transforms_active
 
 
@@ -31,9 +29,7 @@ def traces_custom_ops() -> bool:
     (whose grad and vmap cannot differentiate a custom op's registered autograd in torch 2.13: see
     invact.ops.invact) nor an activation memory budget is active. Where this is False under compile,
     each op kind traces torch's own ops (or its module's forward) instead."""
-    if not torch.compiler.is_compiling() or _transforms_active() or budgeted():
-        return False
-    return tag_compile_cache()  # the ops go in: their bodies' digest into compile's cache key
+    return torch.compiler.is_compiling() and not (_transforms_active() or budgeted())
 
 
 def budgeted() -> bool:

@@ -80,16 +80,14 @@ def _source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def tag_compile_cache() -> bool:
+def tag_compile_cache() -> None:
     """Put invact's source digest into torch.compile's cache key (torch.compiler.config.cache_key_tag,
     which the on-disk caches of AOTAutograd and inductor hash): they key a graph by what Dynamo traced,
     in which invact's ops are single calls, so without it a graph compiled with other bodies (another
-    invact version, an edited checkout) would be loaded and run. Called while Dynamo traces a call that
-    goes into invact's ops (a constant to Dynamo: run once per trace, not traced); returns True."""
+    invact version, an edited checkout) would be loaded and run. Called once, at `import invact` (not
+    while Dynamo traces: inside a checkpointed region it would trace the call, not run it); graphs
+    without invact's ops compiled in the same process get the tag too, which costs them one compile
+    per invact version."""
     tag = f"invact-{_source_digest()}"
     if tag not in _compile_config.cache_key_tag.split():
         _compile_config.cache_key_tag = f"{_compile_config.cache_key_tag} {tag}".strip()
-    return True
-
-
-tag_compile_cache._dynamo_marked_constant = True  # as torch.compiler.assume_constant_result marks it

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from invact import kinds
-from invact._traced import tag_compile_cache, trace_as
+from invact._traced import trace_as
 from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
@@ -484,7 +484,6 @@ def linear_cross_entropy(
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(f"{target.shape[0]} targets for {hidden.shape[0]} rows of hidden states")
     if torch.compiler.is_compiling():
-        tag_compile_cache()
         loss = torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(tuple(ops)),
                                                      ignore_index, float(label_smoothing))[0]  # fmt: skip
         if reduction == "mean":

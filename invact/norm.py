@@ -46,7 +46,7 @@ from torch import nn
 from invact import kinds
 from invact._budget import _transforms_active, budgeted
 from invact._generated import norms as _spec
-from invact._traced import tag_compile_cache, trace_as
+from invact._traced import trace_as
 from invact.callers import inplace_use
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
@@ -694,7 +694,6 @@ class InvNorm(nn.Module):
         ):
             return forward(x, weight, bias, eps, v)[0]
         if torch.compiler.is_compiling():  # traced as the custom op (see _op_forward)
-            tag_compile_cache()
             _keep_x_traced(id(self), x.dtype)  # the parameters checked as the call is traced (_TRACED)
             keep_x = x.dtype in self._invact_keep_x  # a guard: traced again where it changes
             op = torch.ops.invact.norm_forward

@@ -142,9 +142,28 @@ def _backward_traced(dy, y, bits, activation: str, precision_bit: bool) -> torch
     return shaped_like(dx, y)
 
 
-trace_as("invact::forward", _forward_traced)
-# float64's backward inverts y by Newton iterations that read values (invact._float64): kept as the op
-trace_as("invact::backward", _backward_traced, when=lambda dy, y, *_: y.dtype != torch.float64)
+# From this many elements a CPU activation stays the op (numba's kernels, invact/_numba.py) in a
+# compiled graph: inductor's code for the backward's body evaluates both branches' q for every element
+# where the kernel evaluates one from its tables, and the forward's packs the bits by an indexed read.
+# Measured on an Intel Xeon (AVX-512), 2 threads, speed.py --compile, compiled + patch() over compiled
+# torch: speed.py's Linear and activation row (4096 x 512) with both bodies 1.41x, the backward the op
+# 1.12x, both the ops 1.00x (its MLP row 1.15x, 1.11x, 1.03x). Below it the ops' Python (about 130 us a
+# forward + backward there) costs more than the bodies' arithmetic.
+CPU_BODY_MAX_ELEMENTS = 2**15
+
+
+def _body_here(t: torch.Tensor) -> bool:
+    """Whether an activation op on tensors like t runs as its body in a compiled graph: not float64 (its
+    backward's Newton inversion reads values, invact._float64); on CPU only below CPU_BODY_MAX_ELEMENTS
+    (a symbolic size, under dynamic shapes, takes the body: no guard on it)."""
+    if t.dtype == torch.float64:
+        return False
+    n = t.numel()
+    return t.device.type != "cpu" or not isinstance(n, int) or n < CPU_BODY_MAX_ELEMENTS
+
+
+trace_as("invact::forward", _forward_traced, when=lambda x, *_: x.dtype == torch.float64 or _body_here(x))
+trace_as("invact::backward", _backward_traced, when=lambda dy, y, *_: _body_here(y))
 
 
 def _save(ctx, y, bits, activation, precision_bit):
