@@ -146,7 +146,7 @@ def test_budgeted_carries_dynamos_constant_mark():
     assert marks and all(getattr(budgeted, k, None) == vars(marked)[k] for k in marks)
 
 
-def test_invacts_source_digest_is_in_compiles_cache_key(monkeypatch):
+def test_invacts_source_digest_is_in_compiles_cache_key():
     """torch.compile's on-disk caches key a graph by what Dynamo traced, where invact's ops are single
     calls: `import invact` puts invact's source digest into torch.compiler.config's cache key tag, once,
     after a tag of the user's own, so a graph cached with other bodies is not loaded."""
@@ -156,7 +156,10 @@ def test_invacts_source_digest_is_in_compiles_cache_key(monkeypatch):
 
     digest = _traced._source_digest()
     assert len(digest) == 16 and f"invact-{digest}" in compile_config.cache_key_tag.split()
-    monkeypatch.setattr(compile_config, "cache_key_tag", "mine")
-    _traced.tag_compile_cache()
-    _traced.tag_compile_cache()
-    assert compile_config.cache_key_tag == f"mine invact-{digest}"
+    # The config's own patch(), not monkeypatch: pytest's undo deletes an attribute it did not find in
+    # the module's __dict__, and a deleted torch config entry stays hidden for the rest of the session.
+    with compile_config.patch(cache_key_tag="mine"):
+        _traced.tag_compile_cache()
+        _traced.tag_compile_cache()
+        assert compile_config.cache_key_tag == f"mine invact-{digest}"
+    assert f"invact-{digest}" in compile_config.cache_key_tag.split()
