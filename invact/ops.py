@@ -42,6 +42,8 @@ def check_mode(mode: str) -> None:
 
 def backend_for(t: torch.Tensor) -> str:
     """INVACT_BACKEND if set, else triton for CUDA tensors (when installed), else torch."""
+    if not _backend_env_set():  # the common case, without os.environ.get's KeyError (see below)
+        return "triton" if t.is_cuda and _triton_available() else "torch"
     choice = os.environ.get("INVACT_BACKEND", "").strip().lower()
     if choice:
         if choice not in BACKENDS:
