@@ -57,3 +57,12 @@ def test_check_refuses_a_figure_above_the_peak():
     )  # 1500 TFLOP/s on every figure, then 750
     row.update({f"{v}_{w}_ms": 2.0 for v in gpu_quick.VARIANTS for w in ("wall", "busy")})
     assert gpu_quick.check(result) == []
+
+
+def test_check_takes_a_loss_only_result():
+    """--loss-only's result has no Llama-shaped step: check() judges its loss figures alone."""
+    result = {
+        "peak_tflops": 989.5,
+        "loss": {"variants": {"eager": {"tflops": 400.0}, "invact": {"tflops": 1200.0}}},
+    }
+    assert gpu_quick.check(result) == ["loss invact: 1200 TFLOP/s, above the 989.5 peak"]
