@@ -50,14 +50,6 @@ def plan(ops: tuple) -> tuple[int, float, bool, int, float] | None:
     return pre[0], pre[1], tanh, post[0], post[1]
 
 
-def takes(h: torch.Tensor, bias, ops: tuple) -> bool:
-    """This module's kernels serve a call: CUDA tensors (or INVACT_BACKEND=triton: the interpreter on
-    CPU tensors), no bias, a transform plan() takes."""
-    from invact.ops import backend_for
-
-    return bias is None and backend_for(h) == "triton" and plan(ops) is not None
-
-
 @triton.jit
 def _step(v, KIND: tl.constexpr, value):
     if KIND == 1:
