@@ -23,26 +23,32 @@ multiplications and divisions (Cohere's logit_scale, Granite's logits_scaling) a
 final softcapping, c * tanh(z / c)), computed in fp32 (eager runs them in the model's dtype).
 
 How a model uses it (patch(model, loss=True), invact.patch): its head (an nn.Linear that
-`get_output_embeddings()` returns) is patched in place (invact.identity); while the model runs a
-training-mode forward with labels and gradients enabled, the head returns a `PendingLogits`: an object
-that is not a tensor, takes the model's scalings, tanh, `.float()` and `.view`, and computes the loss
-when the model's loss function hands it to F.cross_entropy (class indices, ignore_index, reduction
-"mean" or "sum", label smoothing), so the model's own code keeps its semantics: the label shift,
-ignore_index -100, num_items_in_batch, logits_to_keep. Anything else done to it computes the logits
-as the model would have (eager's tensor, on the autograd graph) and goes on with them. Such a call
-returns `logits=None`: the logits of a training step with labels are not kept (ask for them with
-patch(loss=False), or in eval mode or without labels, where nothing changes).
+`get_output_embeddings()` returns) is patched in place (invact.identity). While the model runs a
+training-mode forward with labels and gradients enabled:
 
-Under torch.compile Dynamo traces tensors, not PendingLogits: where the model's forward hands the
-head's output to its loss function straight or through scalings and tanh (Gemma 2/3's soft-cap,
-Cohere's logit_scale, Granite's logits_scaling), read from its source (`_steps`), the head keeps its
-input and returns an empty stand-in (the logits' leading dimensions, no columns), and the model's
-loss function (HeadLoss,
-transformers' causal-LM loss) computes the loss from that input with the custom op
-invact::linear_cross_entropy, the transform read from the model's settings at the call: the same
-vocabulary blocks, saving the hidden state and the log-sum-exp. The model's own scalings run on the
-empty stand-in, for nothing. A model that does anything else between its head and its loss computes
-its logits as eager does there.
+- where the model's forward hands the head's output to its loss function straight or through scalings
+  and tanh (Gemma 2/3's soft-cap, Cohere's logit_scale, Granite's logits_scaling), read from its
+  source (`_steps`), the head keeps its input and returns an empty stand-in (the logits' leading
+  dimensions, no columns), and the model's loss function (HeadLoss, transformers' causal-LM loss)
+  computes the loss from that input, the transform read from the model's settings at the call. The
+  model's own scalings run on the empty stand-in, for nothing. Eager does so unless a forward hook
+  could see the stand-in; torch.compile always (Dynamo traces tensors), with the custom op
+  invact::linear_cross_entropy: the same vocabulary blocks, saving the hidden state and the
+  log-sum-exp;
+- elsewhere, eager's head returns a `PendingLogits`: an object that is not a tensor, takes the
+  model's scalings, tanh, `.float()` and `.view`, and computes the loss when the model's loss function
+  hands it to F.cross_entropy (class indices, ignore_index, reduction "mean" or "sum", label
+  smoothing), so the model's own code keeps its semantics: the label shift, ignore_index -100,
+  num_items_in_batch, logits_to_keep. Anything else done to it computes the logits as the model would
+  have (eager's tensor, on the autograd graph) and goes on with them. Under compile such a model
+  computes its logits as eager does.
+
+Such a call returns `logits=None`: the logits of a training step with labels are not kept (ask for
+them with patch(loss=False), or in eval mode or without labels, where nothing changes).
+
+Where the vocabulary is one block and there is no label smoothing (a small head, whose cost is its host
+time), eager runs F.cross_entropy's own ops on the block (_nll_loss, _nll_grads): in fp32 the loss and
+gradients are eager's, bit for bit, with one matmul and one log-softmax more in backward.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from invact._traced import trace_as
 from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.ops import backend_for
+from invact.ops import _backend_env_set, backend_for
 
 log = logging.getLogger("invact")
 
@@ -127,15 +133,6 @@ def _masked(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torc
     return valid, torch.where(valid, target, 0)
 
 
-def _one_block_loss(h, target, weight, bias, ops: tuple, smoothing: float, ignore_index: int):
-    """The loss summed over the rows that count where the vocabulary is one block: F.cross_entropy on
-    the transformed logits, computed without autograd (nothing kept), as few ops as eager's (a small
-    head's host time is its ops: torch.logsumexp alone took 12 us on 16 x 512, log_softmax 5, on an
-    Intel Xeon); the backward takes the softmax afresh, so no log-sum-exp is kept either."""
-    z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
-    return F.cross_entropy(z, target, ignore_index=ignore_index, reduction="sum", label_smoothing=smoothing)
-
-
 def _row_losses(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = True):
     """(each row's loss, fp32 (rows,): cross-entropy of its transformed logits against t, with label
     smoothing F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p; each row's
@@ -185,17 +182,42 @@ def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = 
     return lse, picked, total
 
 
-def _one_block_grads(scale, h, t, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype):
-    """_grad_blocks where the vocabulary is one block (no lse: the softmax taken afresh), in as few ops
-    and as little Python as it takes: a small head's backward is host time."""
+# aten's reduction codes for nll_loss_forward / nll_loss_backward (torch's Reduction enum)
+_MEAN, _SUM = 1, 2
+
+
+def _nll_loss(h, target, weight, bias, ops: tuple, ignore_index: int, mean: bool):
+    """(the loss, the count of rows that count as fp32) where the vocabulary is one block and there is no
+    label smoothing: the ops F.cross_entropy runs (log-softmax, then nll_loss_forward, whose mean
+    divides by that count: nan where none counts, as eager's), computed without autograd (nothing kept).
+    A small head's cost is its host time, its ops and Python."""
+    z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
+    return torch.ops.aten.nll_loss_forward(torch.log_softmax(z, 1), target, None, _MEAN if mean else _SUM,
+                                           ignore_index)  # fmt: skip
+
+
+def _nll_grads(grad, h, target, weight, bias, ops: tuple, ignore_index: int, mean: bool, total, needs,
+               pre_dtype):  # fmt: skip
+    """_nll_loss's (d h in fp32, d weight, d bias; None where not in `needs`) for the loss's gradient
+    `grad`: the logits and their log-softmax recomputed, then the two backward ops F.cross_entropy's
+    autograd runs (nll_loss_backward, _log_softmax_backward_data: so in fp32 d logits is eager's, bit
+    for bit), times the transform's derivative, and the head's products (_head_grads)."""
     z, factor, tanhs = _transformed(F.linear(h, weight, bias), ops, keep=True)
-    p = torch.softmax(z, dim=1)
-    p.scatter_add_(1, t.unsqueeze(1), p.new_full((p.shape[0], 1), smoothing - 1.0))
-    if smoothing:
-        p.sub_(smoothing / weight.shape[0])
+    logp = torch.log_softmax(z, 1)
+    del z
+    g = torch.ops.aten.nll_loss_backward(grad, logp, target, None, _MEAN if mean else _SUM, ignore_index,
+                                         total)  # fmt: skip
+    p = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
     for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
         p.mul_(th.square_().neg_().add_(1))
-    p.mul_(scale if factor == 1.0 else scale * factor)
+    if factor != 1.0:
+        p.mul_(factor)
+    return _head_grads(p, h, weight, bias, needs, pre_dtype)
+
+
+def _head_grads(p, h, weight, bias, needs, pre_dtype):
+    """(d h in fp32, d weight, d bias; None where not in `needs`) of a one-block head from p, the fp32
+    gradient of its logits: each product rounded once, as eager's."""
     d = p if p.dtype is pre_dtype else p.to(pre_dtype)
     dw = (d.t().mm(h if h.dtype is d.dtype else h.to(d.dtype))).to(weight.dtype) if needs[1] else None
     db = p.sum(dim=0).to(bias.dtype) if needs[2] else None
@@ -247,14 +269,14 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
     db = torch.empty_like(bias) if need_b and not one else None
     # fp32 accumulator across blocks: each block's product is rounded once, the sum is not
     dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h and not one else None
-    lse = None if lse is None else lse.unsqueeze(1)  # None: one block, the softmax taken afresh
+    lse = lse.unsqueeze(1)
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         w = weight if one else weight[start:stop]
         pre = logits(h, w, None if bias is None else (bias if one else bias[start:stop]))
         p, scale, tanhs = _transformed(pre, ops, keep=True)
         del pre
-        p = p.sub_(lse).exp_() if lse is not None else torch.softmax(p, dim=1)  # of the transformed logits
+        p = p.sub_(lse).exp_()  # the softmax of the transformed logits
         if one:
             p.scatter_add_(1, t.unsqueeze(1), p.new_full((p.shape[0], 1), -(1 - smoothing)))
         else:
@@ -267,14 +289,9 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
             p.mul_(th.square_().neg_().add_(1))
         del tanhs
         p.mul_(grad * scale if scale != 1.0 else grad)
-        d = p.to(pre_dtype)
         if one:
-            dw = (d.t() @ h.to(d.dtype)).to(weight.dtype) if need_w else None
-            db = p.sum(dim=0).to(bias.dtype) if need_b else None
-            if need_h:
-                dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-                _accumulate(dh, p, d, w)
-            break
+            return _head_grads(p, h, weight, bias, needs, pre_dtype)
+        d = p.to(pre_dtype)
         if need_w:
             dw[start:stop] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
         if need_b:
@@ -292,36 +309,46 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean):
-        # mean: divided by the count of rows that count here, not by an autograd node of its own
-        one = block_columns(hidden.shape[0], weight.shape[0], hidden.device) >= weight.shape[0]
-        one = one and not _kernels(hidden, bias, ops)  # the kernels' one pass beats F.cross_entropy's ops
-        if one:
-            loss, lse = _one_block_loss(hidden, target, weight, bias, ops, smoothing, ignore_index), None
-            valid = target != ignore_index if mean else None
+        # mean: divided by the count of rows that count here, not by an autograd node of its own.
+        # One block without label smoothing (a small head, whose cost is host time): F.cross_entropy's
+        # own ops (_nll_loss); the kernels' one pass beats them where they serve.
+        vocab = weight.shape[0]
+        if hidden.is_cpu and not _backend_env_set():  # no kernels: block_columns' rule in one step
+            one = 4 * vocab * hidden.shape[0] <= BLOCK_BYTES["cpu"] or vocab <= MIN_COLUMNS
+            nll = one and not smoothing
         else:
-            valid, t = _masked(target, ignore_index)
-            rows, lse = _row_losses(hidden, t, weight, bias, ops, smoothing)
-            loss = torch.where(valid, rows, 0.0).sum()
+            nll = not smoothing and block_columns(hidden.shape[0], vocab, hidden.device) >= vocab
+            nll = nll and not _kernels(hidden, bias, ops)
+        ctx.nll = nll
+        ctx.ops, ctx.ignore_index, ctx.mean = ops, ignore_index, mean
+        ctx.pre_dtype = torch.result_type(hidden, weight)
+        if nll:
+            loss, total = _nll_loss(hidden, target, weight, bias, ops, ignore_index, mean)
+            ctx.save_for_backward(hidden, weight, bias, target, total)
+            return loss
+        valid, t = _masked(target, ignore_index)
+        rows, lse = _row_losses(hidden, t, weight, bias, ops, smoothing)
+        loss = torch.where(valid, rows, 0.0).sum()
         count = valid.sum() if mean else None
         ctx.save_for_backward(hidden, weight, bias, target, lse, count)
-        ctx.ops, ctx.smoothing, ctx.ignore_index, ctx.one = ops, smoothing, ignore_index, one
-        ctx.pre_dtype = torch.result_type(hidden, weight)
+        ctx.smoothing = smoothing
         return loss if count is None else loss / count
 
     @staticmethod
     def backward(ctx, grad):
+        needs = ctx.needs_input_grad[:3]
+        if ctx.nll:
+            hidden, weight, bias, target, total = ctx.saved_tensors
+            dh, dw, db = _nll_grads(grad, hidden, target, weight, bias, ctx.ops, ctx.ignore_index, ctx.mean,
+                                    total, needs, ctx.pre_dtype)  # fmt: skip
+            return None if dh is None else dh.to(hidden.dtype), dw, db, None, None, None, None, None
         hidden, weight, bias, target, lse, count = ctx.saved_tensors
         if count is not None:
             grad = grad / count
         ignored = target == ctx.ignore_index
         scale, t = torch.where(ignored, 0.0, grad).unsqueeze(1), torch.where(ignored, 0, target)
-        needs = ctx.needs_input_grad[:3]
-        if ctx.one:
-            dh, dw, db = _one_block_grads(scale, hidden, t, weight, bias, ctx.ops, ctx.smoothing, needs,
-                                          ctx.pre_dtype)  # fmt: skip
-        else:
-            dh, dw, db = _grad_blocks(scale, hidden, t, lse, weight, bias, ctx.ops, ctx.smoothing, needs,
-                                      ctx.pre_dtype)  # fmt: skip
+        dh, dw, db = _grad_blocks(scale, hidden, t, lse, weight, bias, ctx.ops, ctx.smoothing, needs,
+                                  ctx.pre_dtype)  # fmt: skip
         return None if dh is None else dh.to(hidden.dtype), dw, db, None, None, None, None, None
 
 
@@ -621,22 +648,28 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
                                 label_smoothing=label_smoothing)  # fmt: skip
 
 
+_GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
+
+
 class LossHead(nn.Module):
     """The mixin of a patched head (invact.identity): while `_invact_armed` (a training forward of its
-    model with labels), its forward returns PendingLogits instead of computing the logits. Under
-    torch.compile, where its owner's forward hands the head's output to its loss function through
+    model with labels), where its owner's forward hands the head's output to its loss function through
     steps read from its source (`_invact_straight`, set by take()), it keeps its input for that loss
-    function (HeadLoss) and returns an empty stand-in: Dynamo traces tensors, not PendingLogits'
-    Python. Elsewhere under compile it computes its logits as eager does."""
+    function (HeadLoss) and returns an empty stand-in (under torch.compile always: Dynamo traces
+    tensors, not PendingLogits' Python; eager where no forward hook could see the stand-in). Otherwise
+    eager returns PendingLogits instead of the logits, and compile computes its logits as eager does."""
 
     _invact_armed = 0
     _invact_straight = False
 
     def forward(self, input):  # noqa: A002 - nn.Linear's argument name
         if self._invact_armed and torch.is_grad_enabled():
-            if not torch.compiler.is_compiling():
-                return PendingLogits(input, self.weight, self.bias)
-            if self._invact_straight:
+            compiling = torch.compiler.is_compiling()
+            # Eager takes the stand-in too where nothing but the owner's steps can see the head's output
+            # (no forward hook on it): HeadLoss then computes the loss without PendingLogits' Python
+            # (its recorded steps and F.cross_entropy's __torch_function__ dispatch: 65 us of a tiny
+            # Llama's 2.25 ms step on an Intel Xeon, benchmarks/host_time.py).
+            if self._invact_straight and (compiling or not (self._forward_hooks or _GLOBAL_FORWARD_HOOKS)):
                 self._invact_hidden = input
                 dtype = torch.promote_types(input.dtype, self.weight.dtype)
                 # The logits' leading dimensions and no columns: the model's steps (_steps) run on it
@@ -646,6 +679,8 @@ class LossHead(nn.Module):
                 standin = input.new_empty((*input.shape[:-1], 0), dtype=dtype)
                 self._invact_standin = standin  # _disarm takes it out of the model's output
                 return standin
+            if not compiling:
+                return PendingLogits(input, self.weight, self.bias)
         return super().forward(input)
 
     def invact_repr(self) -> str:
@@ -653,13 +688,12 @@ class LossHead(nn.Module):
 
 
 class HeadLoss:
-    """The loss function take() gives a patched model under torch.compile (its `loss_function`):
+    """The loss function take() gives a patched model whose head feeds it straight (its `loss_function`):
     transformers' causal-LM loss (ForCausalLMLoss: labels shifted by one with ignore_index padding,
     mean over the tokens that count, or sum over num_items_in_batch) from the hidden state LossHead
     kept, by linear_cross_entropy (the custom op invact::linear_cross_entropy there), with the transform
     `steps` (_steps) make on `owner`, the module whose forward calls the head. Where LossHead kept none
-    (eager: the model's own loss function takes PendingLogits; eval, no labels), the model's own loss
-    function as it was."""
+    (PendingLogits, eval, no labels), the model's own loss function as it was."""
 
     def __init__(self, head: nn.Module, original, owner: nn.Module, steps: tuple = ()) -> None:
         self.head, self.original, self.owner, self.steps = head, original, owner, steps
@@ -900,10 +934,25 @@ def _labels(model: nn.Module, args: tuple, kwargs: dict):
     return args[at] if at is not None and at < len(args) else None
 
 
+def _head(model: nn.Module):
+    """The module at the path where take() found the model's output embeddings (the module there now:
+    what get_output_embeddings() returns, without its Python, 5 us a call on an Intel Xeon, on every
+    training forward); get_output_embeddings() for a model patched before the path was kept."""
+    path = model.__dict__.get("_invact_head_path")
+    if path is None:
+        return model.get_output_embeddings()
+    head = model
+    for part in path:
+        head = head._modules.get(part)
+        if head is None:
+            return None
+    return head
+
+
 def _arm(model, args, kwargs):
-    head = model.get_output_embeddings()
     armed = model.training and torch.is_grad_enabled() and _labels(model, args, kwargs) is not None
-    armed = armed and isinstance(head, LossHead)
+    head = _head(model) if armed else None
+    armed = isinstance(head, LossHead)
     if armed:
         head._invact_armed += 1
     model._invact_arms = [*getattr(model, "_invact_arms", []), (head, armed)]
@@ -948,6 +997,7 @@ def take(model: nn.Module, name: str) -> None:
     ):
         head._invact_straight = True
         owner._loss_function = HeadLoss(head, owner.loss_function, owner, steps)
+    model._invact_head_path = tuple(name.split(".")) if name else ()
     model.register_forward_pre_hook(_arm, with_kwargs=True)
     model.register_forward_hook(_disarm, with_kwargs=True, always_call=True)
     model._invact_loss_hooked = True

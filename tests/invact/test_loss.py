@@ -120,6 +120,21 @@ def test_16bit_no_farther_from_float64_than_eager(blocks, transform, dtype, seed
     assert all(o <= e + slack for o, e in zip(ours, eager, strict=True)), (ours, eager)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_block_without_smoothing_is_eagers_loss_bit_for_bit(bias, reduction):
+    # one vocabulary block, fp32: F.cross_entropy's own forward and backward ops on the same logits
+    h, w, b, t = _case(0)
+    assert L.block_columns(ROWS, VOCAB, h.device) >= VOCAB
+    tensors = (h, w, b if bias else None)
+    want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, reduction), tensors, torch.float32)
+    got = _run(
+        lambda h, w, b: L.linear_cross_entropy(h, w, t, b, reduction=reduction), tensors, torch.float32
+    )
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, e) for a, e in zip(got[1], want[1], strict=True))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_all_targets_ignored_behaves_as_eager(blocks, reduction):
     h, w, b, t = _case(0, ignored=ROWS)
@@ -279,6 +294,7 @@ def test_the_step_saves_no_fp32_logits():
 def test_logits_used_otherwise_are_computed_as_the_model_would():
     _, patched = _pair("gemma2 softcap")
     head = patched.get_output_embeddings()
+    head._invact_straight = False  # as for a model whose forward does more between head and loss
     h = torch.randn(2, 5, SIZES["hidden_size"])
     head._invact_armed = 1
     try:
@@ -289,6 +305,35 @@ def test_logits_used_otherwise_are_computed_as_the_model_would():
     want = torch.tanh(F.linear(h, head.weight) / 30.0) * 30.0
     assert torch.equal(pending.argmax(-1), want.argmax(-1))  # a tensor method: on the computed logits
     assert torch.equal(pending[0], want[0])
+
+
+def test_eager_takes_the_stand_in_where_the_head_feeds_the_loss_straight(monkeypatch):
+    # no PendingLogits is made where the head's output goes straight to the loss (its Python is host
+    # time); a model with another step between them (the clamp) still takes it
+    made = []
+    monkeypatch.setattr(L.PendingLogits, "__init__", lambda self, *a, **k: made.append(a) or None)
+    _, patched = _pair("gemma2 softcap")
+    ids, labels = _inputs()
+    out, _, _ = _step(patched, input_ids=ids, labels=labels)
+    assert not made and out.logits is None
+    torch.manual_seed(0)
+    clamped = ClampedLlamaForCausalLM(transformers.LlamaConfig(**SIZES, num_key_value_heads=2)).train()
+    invact.patch(clamped, norms=False, exclude="*")
+    with pytest.raises(AttributeError):  # the stub's PendingLogits has no fields: it was made and used
+        clamped(input_ids=ids, labels=labels)
+    assert made
+
+
+def test_a_forward_hook_on_the_head_sees_the_logits_it_asks_for():
+    plain, patched = _pair("gemma2 softcap")
+    seen = []
+    for model in (plain, patched):
+        model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out.argmax(-1)))
+    ids, labels = _inputs()
+    _, want, _ = _step(plain, input_ids=ids, labels=labels)
+    _, got, _ = _step(patched, input_ids=ids, labels=labels)
+    assert torch.equal(seen[0], seen[1])  # the hook's tensor method ran on the computed logits
+    assert abs(got - want) <= HF_BOUND * abs(want)
 
 
 def test_plan_names_the_head_and_loss_false_leaves_it():
