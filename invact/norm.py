@@ -51,6 +51,7 @@ from invact.callers import inplace_use
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.memory import parameter_storages
+from invact.ops import _backend_env_set, backend_for
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -258,8 +259,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _triton_backend(t: torch.Tensor) -> bool:
     """The activations' rule (invact.ops.backend_for): Triton for CUDA tensors, or INVACT_BACKEND."""
-    from invact.ops import backend_for
-
     return backend_for(t) == "triton"
 
 
@@ -336,6 +335,50 @@ def _cast_grads(dx, dw, db, dy, weight, bias, needs):
     return dx, dw, db
 
 
+def _lean(y: torch.Tensor, weight, bias, v: Variant, pre) -> bool:
+    """backward from y can take _rms_backward: a norm without centering or bias whose y is stored in its
+    compute dtype (fp32 or fp64: nothing rounded between h w_eff and y, so no residuals), on CPU below
+    the one-pass kernel's size (backward's `fused` rule)."""
+    return (
+        pre is None
+        and bias is None
+        and not v.center
+        and y.dtype is compute_dtype(v, y.dtype)
+        and y.is_cpu
+        and y.numel() < NUMBA_MIN_ELEMENTS
+        and not _backend_env_set()
+    )
+
+
+def _rms_backward(dy, y, rstd, weight, v: Variant, x_dtype, needs):
+    """(dx, dweight) of an RMSNorm from its output y = h w_eff in y's dtype (the forward's _lean): with
+    g = dy w_eff, g h = dy y, so dx = rstd (g - h mean(dy y)) and dweight = sum over rows of dy y,
+    over w_eff: seven ops on (rows, d), where backward's general formula takes nine, and less Python
+    (a small norm's cost is its host time). Each term is the general formula's up to the order of its
+    roundings (a product and a quotient by w_eff, in y's dtype). Without a weight, h = y and g = dy."""
+    d = y.shape[-1]
+    y2, dy2 = y.reshape(-1, d), dy.reshape(-1, d)
+    if dy2.dtype != y2.dtype:
+        dy2 = dy2.to(y2.dtype)
+    w_eff = None
+    if weight is not None:
+        w_eff = weight if weight.dtype == y2.dtype else weight.to(y2.dtype)
+        if v.offset:
+            w_eff = w_eff + v.offset
+    p = dy2 * y2
+    dx = dw = None
+    if needs[0]:
+        m = p.mean(-1, keepdim=True)
+        g, h = (dy2, y2) if w_eff is None else (dy2 * w_eff, y2 / w_eff)
+        dx = torch.addcmul(g, h, m, value=-1).mul_(rstd.reshape(-1, 1))
+        dx = dx.view(dy.shape) if dx.dtype == x_dtype else dx.to(x_dtype).view(dy.shape)
+    if needs[1] and weight is not None:
+        dw = p.sum(0).div_(w_eff)
+        if dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
+    return dx, dw
+
+
 class _Norm(torch.autograd.Function):
     """y = the variant's norm of x; saves y (or x where `check` says h cannot be recovered from y),
     rstd (and mean when x is kept) and the parameters, which the module holds anyway."""
@@ -345,8 +388,9 @@ class _Norm(torch.autograd.Function):
         y, mean, rstd, pre = _forward(x, weight, bias, eps, v)
         ctx.set_materialize_grads(False)
         ctx.v, ctx.x_dtype = v, x.dtype
-        ctx.from_x = not check(y.dtype)
-        if ctx.from_x:
+        ctx.from_x = from_x = not check(y.dtype)
+        ctx.lean = not from_x and _lean(y, weight, bias, v, pre)
+        if from_x:
             ctx.save_for_backward(x, mean, rstd, weight, bias, None)
         else:  # where y was rounded from an fp32 product, its residuals too (their docstring says why)
             ctx.save_for_backward(
@@ -355,16 +399,28 @@ class _Norm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         if dy is None:
             return None, None, None, None, None, None
-        kept, mean, rstd, weight, bias, residual = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:3])
-        dx, dw, db = backward(dy, kept, mean, rstd, weight, bias, ctx.v, ctx.from_x, needs, residual)
-        if dx is not None:
-            dx = dx.to(ctx.x_dtype)
-        return dx, dw, db, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: differentiable once (a second raises)
+            return _norm_backward_once(ctx, dy)
+        return _norm_backward(ctx, dy)
+
+
+def _norm_backward(ctx, dy):
+    """_Norm's backward."""
+    kept, mean, rstd, weight, bias, residual = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if ctx.lean:
+        dx, dw = _rms_backward(dy, kept, rstd, weight, ctx.v, ctx.x_dtype, needs)
+        return dx, dw, None, None, None, None
+    dx, dw, db = backward(dy, kept, mean, rstd, weight, bias, ctx.v, ctx.from_x, needs[:3], residual)
+    if dx is not None:
+        dx = dx.to(ctx.x_dtype)
+    return dx, dw, db, None, None, None
+
+
+_norm_backward_once = torch.autograd.function.once_differentiable(_norm_backward)
 
 
 # _Norm's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
@@ -662,10 +718,11 @@ class InvNorm(nn.Module):
         w, b = params.get("weight"), params.get("bias")
         checked = self._invact_checked
         if checked is not None:
-            refs, versions, was, answer = checked
-            if was == dtype and all(
-                (r is None and t is None) or (r is not None and r() is t and t._version == n)
-                for r, t, n in zip(refs, (w, b), versions, strict=True)
+            (rw, rb), (vw, vb), was, answer = checked
+            if (
+                was == dtype
+                and (w is None if rw is None else rw() is w and w._version == vw)
+                and (b is None if rb is None else rb() is b and b._version == vb)
             ):
                 return answer
         answer = invertible(w, b, VARIANTS[self._invact_variant], dtype)
@@ -683,7 +740,9 @@ class InvNorm(nn.Module):
         params = self._parameters
         weight, bias = params.get("weight"), params.get("bias")
         recording = torch.is_grad_enabled() and (
-            x.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias))
+            x.requires_grad
+            or (weight is not None and weight.requires_grad)
+            or (bias is not None and bias.requires_grad)
         )
         if (
             not recording
