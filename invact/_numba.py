@@ -214,10 +214,28 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
     return rows.as_strided(((count - 1) * stride + cols,), (1,)), count, stride, cols
 
 
-@keeps_torch_threads
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's forward, then the bits in one fused pass for float32 (other dtypes: the portable
-    forward's)."""
+    forward's). A contiguous float32 x of up to SERIAL elements (a small layer, whose cost is host time)
+    takes the serial kernel straight, without keeps_torch_threads: nothing parallel runs there."""
+    if (
+        not precision_bit
+        and x.dtype is torch.float32
+        and not act.monotone
+        and x.numel() <= SERIAL
+        and x.is_contiguous()
+        and _SERIAL_KERNELS is not None  # compiled (the first call goes the long way)
+    ):
+        y = act.torch_forward(x)  # contiguous as x (the stride test of _forward_any)
+        out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
+        _SERIAL_KERNELS.pack_less(x.numpy(force=True).ravel(), act.threshold_f32, out.numpy())
+        return y, out
+    return _forward_any(act, x, precision_bit)
+
+
+@keeps_torch_threads
+def _forward_any(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward's every case."""
     if x.dtype != torch.float32 or act.monotone:
         return _portable.forward(act, x, precision_bit)
     y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
@@ -311,9 +329,32 @@ def _flags(y: torch.Tensor, bits: torch.Tensor, precision_bit: bool) -> np.ndarr
     return np.unpackbits(bits.contiguous().numpy(), count=y.numel(), bitorder="little")
 
 
-@keeps_torch_threads
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
              ) -> torch.Tensor:  # fmt: skip
+    """_backward_any, where fp32 y, dy and packed bits of one span run its serial function straight,
+    without keeps_torch_threads (nothing parallel runs there): a small layer's cost is host time."""
+    kernels = act.__dict__.get("_numba_kernels")
+    if (
+        kernels is not None
+        and kernels.span_bits is not None
+        and not precision_bit
+        and y.dtype is torch.float32
+        and dy.dtype is torch.float32
+        and y.numel() <= kernels.span
+        and y.is_contiguous()
+        and dy.is_contiguous()
+        and bits.numel()
+    ):
+        dx = torch.empty_like(y)
+        arrays = y.numpy().ravel(), dy.numpy().ravel(), dx.numpy().ravel()  # contiguous: views
+        kernels.span_bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
+        return dx
+    return _backward_any(act, y, bits, dy, precision_bit)
+
+
+@keeps_torch_threads
+def _backward_any(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
+                  ) -> torch.Tensor:  # fmt: skip
     """dx = dy * q(y, bit) for flat CPU tensors, or contiguous ones of one shape (dx then in y's).
     The bits come packed (`bits`, uint8, LSB first) or, in precision-bit mode, as y's own integer
     view, whose lowest bit is the branch bit; neither for a monotone activation. Packed bits go to
