@@ -30,6 +30,9 @@ on 4096 x 1024 rows; with it 1.00x).
 Backward from h (in fp32, or the input's dtype where that is wider): RMSNorm
 dx = rstd (g - h mean(g h)) with g = dy w_eff, dw = sum over rows of dy h; LayerNorm through
 torch.native_layer_norm_backward given h as its input, mean 0 and rstd 1, its dx then times rstd.
+Where y is stored in the compute dtype (no residuals), the RMSNorm's terms come from y itself
+(g h = dy y, dw = sum(dy y) / w_eff: _rms_backward), and the eager Function goes to these formulas
+without backward's general Python (_lean): a small norm's cost is its host time.
 """
 
 from __future__ import annotations
@@ -283,6 +286,8 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
     if not from_x and cd == torch.float32 and fused:
         dx, dw, db = _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v)
         return _cast_grads(dx if needs[0] else None, dw if needs[1] else None, db, dy, weight, bias, needs)
+    if not from_x and residual is None and kept.dtype == cd and (bias is None or v.center):
+        return _lean_backward(dy, kept, rstd, weight, bias, v, cd, needs)  # the eager Function's (_lean)
     if from_x:  # exactly eager's h
         xc = _rows(kept.to(cd))
         h = (xc - _rows(mean.to(cd))) * rstd_c if v.center else xc * rstd_c
@@ -336,18 +341,52 @@ def _cast_grads(dx, dw, db, dy, weight, bias, needs):
 
 
 def _lean(y: torch.Tensor, weight, bias, v: Variant, pre) -> bool:
-    """backward from y can take _rms_backward: a norm without centering or bias whose y is stored in its
-    compute dtype (fp32 or fp64: nothing rounded between h w_eff and y, so no residuals), on CPU below
-    the one-pass kernel's size (backward's `fused` rule)."""
+    """backward from y can take _lean_backward: y is stored in its compute dtype (fp32 or fp64: nothing
+    rounded between h w_eff + b and y, so no residuals), on CPU below the one-pass kernel's size
+    (backward's `fused` rule); an RMSNorm without a bias (_rms_backward) or any LayerNorm."""
     return (
         pre is None
-        and bias is None
-        and not v.center
+        and (bias is None or v.center)
         and y.dtype is compute_dtype(v, y.dtype)
         and y.is_cpu
         and y.numel() < NUMBA_MIN_ELEMENTS
         and not _backend_env_set()
     )
+
+
+def _lean_backward(dy, y, rstd, weight, bias, v: Variant, x_dtype, needs):
+    """(dx, dweight, dbias) where the forward's _lean holds: _rms_backward, or for a LayerNorm
+    backward's own formula (h = (y - b) / w_eff through native_layer_norm_backward with mean 0 and
+    rstd 1, its dx times rstd) with less Python: a small norm's cost is its host time."""
+    if not v.center:
+        return (*_rms_backward(dy, y, rstd, weight, v, x_dtype, needs), None)
+    d = y.shape[-1]
+    h, dy2 = y.reshape(-1, d), dy.reshape(-1, d)
+    if dy2.dtype != h.dtype:
+        dy2 = dy2.to(h.dtype)
+    w_eff = b = None
+    if bias is not None:
+        b = bias if bias.dtype == h.dtype else bias.to(h.dtype)
+        h = h - b
+    if weight is not None:
+        w_eff = weight if weight.dtype == h.dtype else weight.to(h.dtype)
+        if v.offset:
+            w_eff = w_eff + v.offset
+        h = h / w_eff
+    zeros = h.new_zeros(h.shape[0], 1)
+    mask = [needs[0], needs[1] and w_eff is not None, needs[2] and b is not None]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy2, h, [d], zeros, torch.ones_like(zeros), w_eff, b, mask
+    )
+    if dx is not None:
+        dx = dx.mul_(rstd.reshape(-1, 1)).view(dy.shape)
+        if dx.dtype != x_dtype:
+            dx = dx.to(x_dtype)
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None and db.dtype != bias.dtype:
+        db = db.to(bias.dtype)
+    return dx, dw, db
 
 
 def _rms_backward(dy, y, rstd, weight, v: Variant, x_dtype, needs):
@@ -412,8 +451,7 @@ def _norm_backward(ctx, dy):
     kept, mean, rstd, weight, bias, residual = ctx.saved_tensors
     needs = ctx.needs_input_grad
     if ctx.lean:
-        dx, dw = _rms_backward(dy, kept, rstd, weight, ctx.v, ctx.x_dtype, needs)
-        return dx, dw, None, None, None, None
+        return (*_lean_backward(dy, kept, rstd, weight, bias, ctx.v, ctx.x_dtype, needs), None, None, None)
     dx, dw, db = backward(dy, kept, mean, rstd, weight, bias, ctx.v, ctx.from_x, needs[:3], residual)
     if dx is not None:
         dx = dx.to(ctx.x_dtype)
