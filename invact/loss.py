@@ -58,6 +58,9 @@ import functools
 import inspect
 import logging
 import math
+import re
+import sys
+import textwrap
 from collections import OrderedDict
 
 import torch
@@ -574,6 +577,24 @@ class PendingLogits:
 
     __rmul__ = __mul__
 
+    def __add__(self, other):
+        # a bias over the vocabulary added to the head's output (BART's final_logits_bias): the head's
+        # bias, where no scaling came before it
+        if (
+            isinstance(other, torch.Tensor)
+            and not self.ops
+            and other.dim() >= 1
+            and other.shape[-1] == self.shape[-1]
+            and other.numel() == self.shape[-1]
+        ):
+            bias = other.reshape(-1).to(self.hidden.dtype)
+            bias = bias if self.bias is None else self.bias + bias
+            dtype = torch.promote_types(self.dtype, other.dtype)
+            return PendingLogits(self.hidden, self.weight, bias, self.ops, dtype, self.shape)
+        return self.logits() + other
+
+    __radd__ = __add__
+
     def float(self):
         return self._with(dtype=torch.float32)
 
@@ -768,19 +789,35 @@ def _targets(node: ast.AST) -> list[str]:
     return [t.id for t in targets if isinstance(t, ast.Name)]
 
 
-def _head_block(tree: ast.AST, attr: str) -> tuple[str, list[ast.stmt]] | None:
-    """(name, the statements after it in its block) for the statement `name = self.<attr>(...)`."""
+def _head_block(tree: ast.AST, attr: str, chained: bool = False) -> tuple[str, list[ast.stmt]] | None:
+    """(name, the statements after it in its block) for the statement `name = self.<attr>(...)`, or with
+    `chained` also `name = self.<attr>(...).float()`, `... + bias` and the like (_from_call)."""
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             block = getattr(node, field, None)
             if not isinstance(block, list):
                 continue
             for i, stmt in enumerate(block):
-                if isinstance(stmt, ast.Assign) and _calls_self(stmt.value, attr):
+                if not isinstance(stmt, ast.Assign):
+                    continue
+                if _calls_self(stmt.value, attr) or (chained and _from_call(stmt.value, attr)):
                     names = _targets(stmt)
                     if len(stmt.targets) == 1 and names:
                         return names[0], block[i + 1 :]
     return None
+
+
+def _from_call(node: ast.AST, attr: str) -> bool:
+    """node is `self.<attr>(...)` under method calls and arithmetic (`.float()`, `.contiguous()`,
+    `+ self.final_logits_bias`): what PendingLogits records or computes the logits for."""
+    while not _calls_self(node, attr):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, ast.BinOp):
+            node = node.left
+        else:
+            return False
+    return True
 
 
 def _attribute_path(node: ast.AST) -> tuple[str, ...] | None:
@@ -899,24 +936,265 @@ def output_head(model: nn.Module) -> nn.Module | None:
 
 def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
     """(the qualified name of the model's head, whether patch() computes its loss from hidden states,
-    why or why not); (None, False, why) for a model without a head. Taken by structure: a Hugging Face
-    model whose forward takes labels, whose loss function is transformers' causal-LM loss, and whose
-    output embeddings are an nn.Linear."""
+    why or why not); (None, False, why) for a model without a head. Decided by what the model computes,
+    read from its source: a model whose output embeddings are an nn.Linear and whose training forward
+    (`host`: the model, or in a wrapper whose forward takes no labels, such as PEFT's PeftModel, the
+    module it wraps that does) hands the head's output to transformers' causal-LM loss (its
+    `loss_function`, whatever its `loss_type`: GPT-2's None and the "ForConditionalGeneration" of
+    vision- and audio-language models fall back or map to it) or to a cross-entropy
+    (nn.CrossEntropyLoss or F.cross_entropy: T5, BART, Whisper and the other encoder-decoders)."""
     head = output_head(model)
     name = next((n for n, m in model.named_modules() if m is head), None)
     if name is None:
         return None, False, "the model has no output embeddings (get_output_embeddings)"
     if type(head) is not nn.Linear and not isinstance(head, LossHead):
         return name, False, f"its head is a {type(head).__name__}, not an nn.Linear"
-    if _labels_at(type(model)) is None:
+    host, inner = _host(model, name)
+    if host is None:
         return name, False, "its forward takes no labels"
-    own = vars(model).get("_loss_function")
-    if getattr(model, "loss_type", None) != "ForCausalLM" or (
-        own is not None and not isinstance(own, HeadLoss)
-    ):
-        return name, False, "its loss is not transformers' causal-LM loss"
-    return name, True, ("the loss is computed from the hidden state and the head's weight a vocabulary "
+    path = tuple(inner.split("."))
+    route, why = class_route(type(host), path[0])
+    if route is None:
+        return name, False, why
+    owner = host._modules[path[0]]
+    for part in path[1:]:  # each module between the host and the head hands the head's output back as is
+        if not _returns_child(type(owner), part):
+            cls = type(owner).__name__
+            return name, False, f"its {cls}.forward does more with {part}'s output than return it"
+        owner = owner._modules[part]
+    if route == "loss_function":
+        own = vars(host).get("_loss_function")
+        if own is not None and not isinstance(own, HeadLoss):
+            return name, False, "its loss function is one of its own, not transformers' causal-LM loss"
+        why = _not_causal(type(host), getattr(host, "loss_type", None))
+        if why:
+            return name, False, why
+        what = "transformers' causal-LM loss"
+    else:
+        what = "its cross-entropy on the head's output"
+    return name, True, (f"{what} is computed from the hidden state and the head's weight a vocabulary "
                         "block at a time: no (tokens x vocab) logits kept")  # fmt: skip
+
+
+def class_decision(cls: type) -> tuple[bool, str]:
+    """head_of's decision for a class, from its source alone (no instance: what tests and
+    benchmarks/loss_classes.py enumerate over transformers' classes): its head's path (what its
+    get_output_embeddings returns: transformers' default, `self.lm_head`, or the `return self.<path>`
+    of its own), whether its forward takes labels, what its forward does with the head's output
+    (class_route), and for transformers' causal-LM loss its loss type, named for the class as
+    transformers' PreTrainedModel names it. What only an instance shows (the head an nn.Linear, a loss
+    function set on it, the modules between it and its head) head_of checks besides."""
+    path = _output_embeddings_path(cls)
+    if isinstance(path, str):
+        return False, path
+    if _labels_at(cls) is None:
+        return False, "its forward takes no labels"
+    route, why = class_route(cls, path[0])
+    if route is None:
+        return False, why
+    if route == "loss_function":
+        utils = sys.modules.get("transformers.loss.loss_utils")
+        loss_type = None if utils is None else _class_loss_type(cls, utils.LOSS_MAPPING)
+        why = _not_causal(cls, loss_type)
+        return (False, why) if why else (True, "transformers' causal-LM loss")
+    return True, "its cross-entropy on the head's output"
+
+
+def _class_loss_type(cls: type, mapping: dict) -> str | None:
+    """The loss_type transformers' PreTrainedModel.__init__ gives an instance of cls: its class name
+    where LOSS_MAPPING has it, else the first key of LOSS_MAPPING found in the name, else None (a test
+    compares it with instances' loss_type)."""
+    name = cls.__name__
+    if name in mapping:
+        return name
+    found = re.findall(f"({'|'.join(mapping)})", name)
+    return found[0] if found else None
+
+
+def _output_embeddings_path(cls: type) -> tuple[str, ...] | str:
+    """The attribute path cls.get_output_embeddings returns: ("lm_head",) for transformers' default,
+    the path of its `return self.<path>` where it defines its own; else why there is none to read."""
+    method = getattr(cls, "get_output_embeddings", None)
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if method is None:
+        return "it has no get_output_embeddings (no head to take)"
+    if modeling is not None and method is modeling.PreTrainedModel.get_output_embeddings:
+        return ("lm_head",)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    except (OSError, TypeError, SyntaxError):
+        return "its get_output_embeddings' source cannot be read"
+    values = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+    paths = {_attribute_path(v) for v in values}
+    if len(paths) == 1 and None not in paths:
+        return paths.pop()
+    if (
+        len(values) == 1
+        and isinstance(values[0], ast.Call)
+        and (isinstance(values[0].func, ast.Attribute) and values[0].func.attr == "get_output_embeddings")
+    ):
+        inner = _attribute_path(values[0].func.value)
+        where = "self." + ".".join(inner) if inner else "another module"
+        return f"its get_output_embeddings is {where}'s: decided on an instance, by that module's forward"
+    return "its get_output_embeddings returns no attribute of its own (no head to take)"
+
+
+def _host(model: nn.Module, name: str) -> tuple[nn.Module | None, str]:
+    """(the module whose training forward takes the labels and computes the loss on the head's output,
+    the head's name within it), found from the model down the modules that hold the head: the first
+    whose forward takes labels and hands the head's output to a loss (class_route); past a module that
+    takes no labels (a wrapper's forward(*args, **kwargs): PEFT's PeftModel) or hands them on to the
+    next by name or **kwargs (PeftModelForCausalLM); (None, name) where none does. A module that takes
+    labels and keeps them (Llama 4's multimodal model, computing its loss on its language model's
+    output) is where the search stops: its class_route gives the reason."""
+    parts = name.split(".")
+    module, last = model, (None, name)
+    for depth, part in enumerate(parts[:-1] or parts):
+        if _labels_at(type(module)) is not None:
+            last = module, ".".join(parts[depth:])
+            if class_route(type(module), part)[0] is not None or not _passes_labels(type(module), part):
+                return last
+        module = module._modules.get(part)
+        if module is None:
+            break
+    if module is not None and len(parts) > 1 and _labels_at(type(module)) is not None:
+        return module, parts[-1]
+    return last
+
+
+@functools.cache
+def _passes_labels(cls: type, attr: str) -> bool:
+    """cls.forward calls self.<attr>(...) with labels=... or **kwargs (the labels handed on)."""
+    tree = forward_tree(cls)
+    if tree is None:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _calls_self(node, attr, call=False):
+            if any(k.arg in ("labels", None) for k in node.keywords):
+                return True
+    return False
+
+
+def _not_causal(cls: type, loss_type: str | None) -> str | None:
+    """None where an instance of cls with this loss_type computes transformers' causal-LM loss
+    (ForCausalLMLoss) as its loss_function: transformers' PreTrainedModel property, which gives
+    LOSS_MAPPING[loss_type] and falls back to the causal-LM loss for a type it does not know (None:
+    GPT-2's, CTRL's, BERT's LM head); else why not."""
+    utils = sys.modules.get("transformers.loss.loss_utils")
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if utils is None or modeling is None or not issubclass(cls, modeling.PreTrainedModel):
+        return "its loss_function is not transformers' (not a PreTrainedModel)"
+    if (
+        inspect.getattr_static(cls, "loss_function", None)
+        is not modeling.PreTrainedModel.__dict__["loss_function"]
+    ):
+        return "it defines a loss_function of its own"
+    mapping = utils.LOSS_MAPPING
+    if mapping.get(loss_type if loss_type in mapping else "ForCausalLM") is not mapping["ForCausalLM"]:
+        return f"its loss type {loss_type!r} is not transformers' causal-LM loss"
+    return None
+
+
+@functools.cache
+def class_route(cls: type, attr: str) -> tuple[str | None, str]:
+    """What cls.forward does with the output of `self.<attr>(...)` (the child holding the head), read
+    from its source: ("loss_function", why) where it hands it to self.loss_function, ("cross_entropy",
+    why) where to nn.CrossEntropyLoss or F.cross_entropy (as it is, or through `.view`, `.reshape`, a
+    scaling or `.float()`: PendingLogits records those), else (None, what it does instead)."""
+    tree = forward_tree(cls)
+    if tree is None:
+        return None, "its forward's source cannot be read"
+    found = _head_block(tree, attr, chained=True)
+    if found is None:
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _calls_self(n, attr)]
+        if not calls:
+            return None, f"its forward does not call self.{attr}"
+        return None, f"its forward does not keep the head's output under a name: {_quote(calls[0], tree)}"
+    name, rest = found
+    losses = _cross_entropy_modules(tree)
+    first = None  # the first simple statement that does something else with it
+    for stmt in rest:
+        if first is None:
+            simple = (n for n in ast.walk(stmt) if isinstance(n, ast.stmt) and not isinstance(n, _COMPOUND))
+            first = next((n for n in simple if any(isinstance(r, ast.Name) and r.id == name
+                                                   for r in ast.walk(n))), None)  # fmt: skip
+        for node in ast.walk(stmt):
+            if not isinstance(node, ast.Call):
+                continue
+            if _calls_self(node, "loss_function", call=False):
+                given = [k.value for k in node.keywords if k.arg == "logits"] + node.args[:1]
+                if given and _reads(given[0], name):
+                    return "loss_function", "its forward hands the head's output to self.loss_function"
+            elif _is_cross_entropy(node.func, losses) and node.args and _reads(node.args[0], name):
+                return "cross_entropy", "its forward computes a cross-entropy on the head's output"
+    if first is None:
+        return None, "its forward hands the head's output to no loss"
+    return None, f"its forward hands the head's output to no cross-entropy; it does {_quote(first, tree)}"
+
+
+_COMPOUND = (ast.If, ast.For, ast.While, ast.With, ast.Try)
+
+
+def _quote(node: ast.AST, tree: ast.AST) -> str:
+    """node's source line, shortened: `line N: code`, the line numbered in the model's file."""
+    code = ast.unparse(node).splitlines()[0]
+    code = code if len(code) <= 60 else code[:57] + "..."
+    return f"`{code}` (line {getattr(node, 'lineno', '?')})"
+
+
+def _reads(node: ast.AST, name: str) -> bool:
+    """node is `name` or a method call chain or arithmetic on it (`name.view(-1, v)`, `name.float()`,
+    `name / t`): what PendingLogits records or the loss takes."""
+    while True:
+        if isinstance(node, ast.Name):
+            return node.id == name
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, ast.BinOp):
+            node = node.left
+        else:
+            return False
+
+
+def _cross_entropy_modules(tree: ast.AST) -> set[str]:
+    """The names the forward binds to a CrossEntropyLoss(...) (`loss_fct = CrossEntropyLoss()`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called == "CrossEntropyLoss":
+                names.update(_targets(node))
+    return names
+
+
+def _is_cross_entropy(func: ast.AST, losses: set[str]) -> bool:
+    """func is F.cross_entropy (under any module path), or a name bound to a CrossEntropyLoss."""
+    if isinstance(func, ast.Attribute):
+        return func.attr == "cross_entropy"
+    return isinstance(func, ast.Name) and (func.id == "cross_entropy" or func.id in losses)
+
+
+@functools.cache
+def _returns_child(cls: type, attr: str) -> bool:
+    """cls.forward returns `self.<attr>(...)`'s output as it is (BERT's LM head modules hand their
+    decoder's output back): `return self.<attr>(...)`, or `x = self.<attr>(...)` then `return x`."""
+    tree = forward_tree(cls)
+    if tree is None:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Return) and _calls_self(node.value, attr):
+            return True
+    found = _head_block(tree, attr)
+    if found is None:
+        return False
+    name, rest = found
+    return (
+        bool(rest)
+        and isinstance(rest[0], ast.Return)
+        and isinstance(rest[0].value, ast.Name)
+        and (rest[0].value.id == name)
+    )
 
 
 @functools.cache
@@ -979,17 +1257,19 @@ def _disarm(model, args, kwargs, output):
 
 
 def take(model: nn.Module, name: str) -> None:
-    """Patch the head `name` of `model` (head_of's) in place, and hook the model so that a training
-    forward with labels computes its loss from hidden states (eager: PendingLogits; under
+    """Patch the head `name` of `model` (head_of's) in place, and hook the module whose forward takes
+    the labels (_host: the model, or the one a wrapper wraps) so that a training forward with labels
+    computes its loss from hidden states (eager: PendingLogits; under
     torch.compile: HeadLoss, where the head's owner hands its output to its loss function through
     steps _steps reads).
     Idempotent."""
     head = model.get_submodule(name)
+    model, name = _host(model, name)  # the module whose forward takes the labels: it is hooked
     if isinstance(head, LossHead) and getattr(model, "_invact_loss_hooked", False):
         return
     swap(head, LossHead)
     owner, attr = kinds.parent(model, name)
-    steps = _steps(type(owner), attr)
+    steps = _steps(type(owner), attr) if owner is model else None
     if (
         steps is not None
         and _ops(owner, steps) is not None
@@ -997,7 +1277,7 @@ def take(model: nn.Module, name: str) -> None:
     ):
         head._invact_straight = True
         owner._loss_function = HeadLoss(head, owner.loss_function, owner, steps)
-    model._invact_head_path = tuple(name.split(".")) if name else ()
+    model._invact_head_path = tuple(name.split("."))
     model.register_forward_pre_hook(_arm, with_kwargs=True)
     model.register_forward_hook(_disarm, with_kwargs=True, always_call=True)
     model._invact_loss_hooked = True
