@@ -1201,7 +1201,10 @@ def _returns_child(cls: type, attr: str) -> bool:
 def _labels_at(cls: type) -> int | None:
     """The position of `labels` among the positional arguments of cls.forward (self excluded); None
     where it takes no labels. Once per class: _arm runs on every training forward."""
-    names = list(inspect.signature(cls.forward).parameters)[1:]
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return None
+    names = list(inspect.signature(forward).parameters)[1:]
     return names.index("labels") if "labels" in names else None
 
 

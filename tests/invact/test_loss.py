@@ -627,3 +627,138 @@ def test_the_cross_entropy_override_takes_f_cross_entropys_parameters():
     assert [(p.name, p.default) for p in ours.parameters.values()] == [
         (p.name, p.default) for p in torchs.parameters.values()
     ]
+
+
+# -- The families beyond transformers' causal LMs: GPT-2-style heads, encoder-decoders, wrappers ----------
+
+
+def _families():
+    """label -> (a tiny model of a family whose loss is not named "ForCausalLM", its training inputs)."""
+    T = transformers
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, SIZES["vocab_size"], (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    text = {"input_ids": ids, "labels": labels}
+    enc_dec = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0,
+                   attention_dropout=0.0, activation_dropout=0.0, vocab_size=SIZES["vocab_size"],
+                   pad_token_id=1, decoder_start_token_id=2)  # fmt: skip
+    return {
+        "gpt2": (
+            lambda: T.GPT2LMHeadModel(
+                T.GPT2Config(
+                    n_embd=32,
+                    n_layer=2,
+                    n_head=4,
+                    n_positions=64,
+                    vocab_size=SIZES["vocab_size"],
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                )
+            ),
+            text,
+        ),  # fmt: skip
+        "bert lm head": (
+            lambda: T.BertLMHeadModel(
+                T.BertConfig(
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    intermediate_size=64,
+                    vocab_size=SIZES["vocab_size"],
+                    is_decoder=True,
+                    hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0,
+                )
+            ),
+            text,
+        ),  # fmt: skip
+        "t5": (
+            lambda: T.T5ForConditionalGeneration(
+                T.T5Config(
+                    d_model=32,
+                    d_ff=64,
+                    num_layers=1,
+                    num_heads=4,
+                    d_kv=8,
+                    vocab_size=SIZES["vocab_size"],
+                    decoder_start_token_id=0,
+                    pad_token_id=0,
+                    dropout_rate=0.0,
+                )
+            ),
+            text,
+        ),  # fmt: skip
+        "bart final_logits_bias": (lambda: T.BartForConditionalGeneration(T.BartConfig(**enc_dec)), text),
+        "whisper": (
+            lambda: T.WhisperForConditionalGeneration(
+                T.WhisperConfig(**enc_dec, num_mel_bins=8, max_source_positions=8, max_target_positions=32)
+            ),
+            {"input_features": torch.randn(2, 8, 16, generator=g), "labels": labels},
+        ),  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize("label", sorted(_families()))
+def test_families_beyond_causal_lms_take_the_loss_and_match_eager(label):
+    make, inputs = _families()[label]
+    torch.manual_seed(0)
+    plain = make().float().train()
+    patched = copy.deepcopy(plain)
+    invact.patch(patched, norms=False, exclude="*")  # the loss alone
+    (d,) = [d for d in invact.plan(patched) if d.kind == "loss"]
+    assert d.replace, d.reason
+    if label.startswith("bart"):
+        with torch.no_grad():  # a bias of its own, so that folding it into the head's matters
+            plain.final_logits_bias.normal_()
+            patched.final_logits_bias.copy_(plain.final_logits_bias)
+    want_out, want_loss, want_grads = _step(plain, **inputs)
+    out, loss, grads = _step(patched, **inputs)
+    assert out.logits is None and want_out.logits is not None
+    # the fp32 bound of these tiny models: the head's dot products over hidden 32, the sums over the
+    # vocabulary and the 24 rows (the models' own layers round alike on both sides)
+    bound = _fp32_bound(24, 32, SIZES["vocab_size"])
+    assert abs(loss - want_loss) <= bound * abs(want_loss)
+    assert len(grads) == len(want_grads)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert (g - w).norm() <= bound * w.norm() + 1e-30
+
+
+def test_gpt2_at_its_vocabulary_keeps_no_fp32_logits():
+    T = transformers
+    torch.manual_seed(0)
+    vocab = 50257  # GPT-2's
+    plain = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=1, n_head=4, n_positions=64, vocab_size=vocab))
+    plain.train()
+    patched = copy.deepcopy(plain)
+    invact.patch(patched, norms=False, exclude="*")
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager = invact.memory.saved_tensors(plain, input_ids=ids, labels=ids)
+    ours = invact.memory.saved_tensors(patched, input_ids=ids, labels=ids)
+    fp32_logits = ids.numel() * vocab * 4
+    # eager's loss keeps the fp32 log-softmax; ours at most an fp32 and an int64 per row besides
+    assert eager.saved_bytes - ours.saved_bytes >= fp32_logits - ids.numel() * (4 + 8)
+
+
+@pytest.mark.parametrize("order", ["wrap, then patch", "patch, then wrap"])
+def test_a_peft_model_of_no_task_type_takes_the_loss_in_either_order(order):
+    peft = pytest.importorskip("peft")
+    plain, patched = _pair("llama")
+    config = peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4)
+    if order == "wrap, then patch":
+        patched = copy.deepcopy(plain)
+        wrapped = peft.get_peft_model(patched, config)
+        invact.patch(wrapped, norms=False, exclude="*")
+    else:
+        wrapped = peft.get_peft_model(patched, config)
+    assert type(wrapped) is peft.PeftModel
+    (d,) = [d for d in invact.plan(wrapped) if d.kind == "loss"]
+    assert d.replace and d.name == "base_model.model.lm_head", d.reason
+    ids, labels = _inputs()
+    torch.manual_seed(0)
+    want = peft.get_peft_model(copy.deepcopy(plain), config)(input_ids=ids, labels=labels)
+    out = wrapped(input_ids=ids, labels=labels)
+    assert out.logits is None and want.logits is not None
+    assert abs(out.loss - want.loss) <= HF_BOUND * abs(want.loss)
