@@ -810,14 +810,19 @@ def _head_block(tree: ast.AST, attr: str, chained: bool = False) -> tuple[str, l
 def _from_call(node: ast.AST, attr: str) -> bool:
     """node is `self.<attr>(...)` under method calls and arithmetic (`.float()`, `.contiguous()`,
     `+ self.final_logits_bias`): what PendingLogits records or computes the logits for."""
-    while not _calls_self(node, attr):
+    return any(_calls_self(n, attr) for n in _chain(node))
+
+
+def _chain(node: ast.AST):
+    """node, then each receiver of its method calls and left operand of its arithmetic, inward."""
+    while True:
+        yield node
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             node = node.func.value
         elif isinstance(node, ast.BinOp):
             node = node.left
         else:
-            return False
-    return True
+            return
 
 
 def _attribute_path(node: ast.AST) -> tuple[str, ...] | None:
@@ -1145,15 +1150,7 @@ def _quote(node: ast.AST, tree: ast.AST) -> str:
 def _reads(node: ast.AST, name: str) -> bool:
     """node is `name` or a method call chain or arithmetic on it (`name.view(-1, v)`, `name.float()`,
     `name / t`): what PendingLogits records or the loss takes."""
-    while True:
-        if isinstance(node, ast.Name):
-            return node.id == name
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            node = node.func.value
-        elif isinstance(node, ast.BinOp):
-            node = node.left
-        else:
-            return False
+    return any(isinstance(n, ast.Name) and n.id == name for n in _chain(node))
 
 
 def _cross_entropy_modules(tree: ast.AST) -> set[str]:

@@ -6,6 +6,7 @@ patch() makes on an instance."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -187,3 +188,16 @@ def test_a_module_that_keeps_the_labels_is_where_the_host_search_stops():
                                       vocab_size=300)  # fmt: skip
     (d,) = [d for d in invact.plan(Outer(config)) if d.kind == "loss"]
     assert not d.replace and "self.language_model" in d.reason
+
+
+def test_the_docs_counts_are_the_committed_enumerations():
+    c = json.loads(RESULT.read_text())["counts"]
+    text = " ".join((ROOT / "docs" / "results" / "architectures.md").read_text().split())
+    section = text[text.index("## Which classes take the loss path") :]
+    by_reason = list(c["by_reason"].values())
+    assert f"Of {c['classes']} classes, {c['taken']} are taken: {by_reason[0]} whose" in section
+    assert f", {by_reason[1]} that compute a cross-entropy" in section
+    assert f'was "ForCausalLM": {c["taken_before"]} classes' in section
+    left = sorted(by_reason[2:], reverse=True)
+    said = [int(n) for n in re.findall(r"(\d+) (?:whose|that do|with no)", section.split("Left alone:")[1])]
+    assert sorted(said, reverse=True) == left
