@@ -79,7 +79,72 @@ def _paligemma():
     return T.PaliGemmaForConditionalGeneration(config), ids, dict(pixel_values=pixels, token_type_ids=prefix)
 
 
-MODELS = {"qwen2-vl": _qwen2_vl, "llava": _llava, "paligemma": _paligemma}
+def _qwen2_5_vl():
+    T = transformers
+    config = T.Qwen2_5_VLConfig(
+        text_config=dict(
+            **TEXT, vocab_size=151936, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),  # fmt: skip
+        image_token_id=151655,
+        vision_start_token_id=151652,
+        video_token_id=151656,
+    )
+    ids = _ids(151936, config.image_token_id, 4, start=config.vision_start_token_id)
+    types = (ids == config.image_token_id).long()
+    pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(2))
+    inputs = dict(pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=types)
+    return T.Qwen2_5_VLForConditionalGeneration(config), ids, inputs
+
+
+def _gemma3():
+    T = transformers
+    config = T.Gemma3Config(
+        text_config=dict(**TEXT, head_dim=16, vocab_size=262208, sliding_window=16),
+        vision_config=dict(**VISION),
+        mm_tokens_per_image=4,
+        image_token_index=262144,
+        boi_token_index=255999,
+        eoi_token_index=256000,
+    )
+    ids = _ids(262208, config.image_token_index, 4)
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(2))
+    types = (ids == config.image_token_index).long()
+    return T.Gemma3ForConditionalGeneration(config), ids, dict(pixel_values=pixels, token_type_ids=types)
+
+
+def _idefics3():
+    T = transformers
+    config = T.Idefics3Config(
+        text_config=dict(model_type="llama", **TEXT, vocab_size=49280),
+        vision_config=dict(**VISION),
+        scale_factor=2,
+        image_token_id=49190,
+    )
+    ids = _ids(49280, config.image_token_id, 1)  # 2 x 2 patches merged 2 x 2 into one token
+    pixels = torch.randn(1, 1, 3, 28, 28, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(1, 1, 28, 28, dtype=torch.bool)
+    return (
+        T.Idefics3ForConditionalGeneration(config),
+        ids,
+        dict(pixel_values=pixels, pixel_attention_mask=mask),
+    )
+
+
+# six vision-language families people fine-tune (SmolVLM is Idefics3's architecture)
+MODELS = {"qwen2-vl": _qwen2_vl, "qwen2.5-vl": _qwen2_5_vl, "gemma3": _gemma3, "llava": _llava,
+          "idefics3": _idefics3, "paligemma": _paligemma}  # fmt: skip
 
 
 def _ids(vocab: int, image: int, count: int, start: int | None = None) -> torch.Tensor:
@@ -121,8 +186,8 @@ def test_a_vlm_step_with_an_image_takes_the_loss_and_matches_eager(label):
     (d,) = [d for d in decisions if d.kind == "loss"]
     assert d.replace, d.reason
     norms = [d.name for d in decisions if d.kind == "norm" and d.replace]
-    assert any("vision" in n or "visual" in n for n in norms), norms  # the vision tower's norms too
-    assert any(n.startswith(("model.language_model", "model.norm")) for n in norms), norms
+    tower = [n for n in norms if "vision" in n or "visual" in n]
+    assert tower and len(tower) < len(norms), norms  # the vision tower's norms and the language model's
     patched = copy.deepcopy(plain)
     invact.patch(patched)
     want_out, want_loss, want_grads = _step(plain, inputs)
