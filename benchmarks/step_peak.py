@@ -3,16 +3,20 @@ causal LM with a real vocabulary, torch eager against invact.patch(loss=False) a
 (the loss computed from hidden states, invact.loss): does the loss's fp32 (tokens x vocab) tensor
 leave the step's peak, not only the saved bytes?
 
-The model: a Llama-style decoder (transformers, random weights from a config, nothing downloaded),
-2 layers, hidden 128, SwiGLU 352, vocabulary 128256 (Llama 3's), untied head, batch 2 x seq 256, in
+The models (transformers, random weights from a config, nothing downloaded; --model): "llama", a
+Llama-style decoder, 2 layers, hidden 128, SwiGLU 352, vocabulary 128256 (Llama 3's), untied head;
+"gpt2", GPT-2's head and loss (its loss_type is None), 2 layers of 128, vocabulary 50257; "qwen2-vl",
+a Qwen2-VL with one 56 x 56 image (2 vision layers of 64, 4 image tokens) and 2 text layers of 128,
+vocabulary 151936. Batch 2 x seq 256 (Qwen2-VL: 1 x 512, the image among the tokens), in
 fp32 and bf16. Each variant runs in a process of its own, so that nothing one leaves behind counts
 against another, with glibc's mmap threshold at 64 KiB (MALLOC_MMAP_THRESHOLD_): every tensor above it
 is mapped and unmapped on free, so the resident set follows what torch holds instead of what the heap
 kept. A first step creates the gradients and AdamW's state; then, per measured step, the gradients are
 set to None, the kernel's peak resident set (VmHWM) is reset (writing 5 to /proc/self/clear_refs),
 the step runs, and its peak above the resident set before it is the figure (median of the steps).
-Linux only. Writes benchmarks/results/step_peak_<device>.json, and its markdown table to .md beside
-it.
+With --compile both sides run under torch.compile (inductor), the first step compiling. Linux only.
+Writes benchmarks/results/step_peak_<device>[_<model>][_compiled].json (Llama eager: no suffix), and
+its markdown table to .md beside it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from timing import device_name, write_result
+from timing import RESULTS, device_name, write_result
 
 VARIANTS = {"eager": None, "patch(loss=False)": {"loss": False}, "patch()": {}}
 MODEL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
@@ -44,23 +48,70 @@ def _kib(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
 
 
-def _child(variant: str, dtype: str, small: bool, steps: int) -> dict:
+def _vocab(name: str, small: bool) -> int:
+    return (
+        (SMALL if small else MODEL)["vocab_size"]
+        if name == "llama"
+        else {"gpt2": 50257, "qwen2-vl": 151936}[name]
+    )
+
+
+def _model(name: str, small: bool):
+    """(the model, its training inputs with labels) of --model `name`, fp32."""
+    import transformers as T
+
+    g = torch.Generator().manual_seed(1)
+    vocab = _vocab(name, small)
+    if name == "llama":
+        model = T.LlamaForCausalLM(T.LlamaConfig(**(SMALL if small else MODEL)))
+    elif name == "gpt2":
+        width = 32 if small else 128
+        model = T.GPT2LMHeadModel(
+            T.GPT2Config(n_embd=width, n_layer=2, n_head=4, n_positions=SEQ, vocab_size=vocab)
+        )
+    else:  # one 56 x 56 image: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens
+        width = 32 if small else 128
+        sections = [1, 1, 2] if small else [4, 6, 6]  # temporal, height, width: half the head size of 8 or 32
+        config = T.Qwen2VLConfig(
+            text_config=dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                             rope_scaling={"type": "mrope", "mrope_section": sections}),
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=width, num_heads=4, mlp_ratio=2,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+            image_token_id=151655, vision_start_token_id=151652, video_token_id=151656,
+        )  # fmt: skip
+        model = T.Qwen2VLForConditionalGeneration(config)
+        ids = torch.randint(0, 1000, (1, BATCH * SEQ), generator=g)
+        ids[0, 0], ids[0, 1:5] = config.vision_start_token_id, config.image_token_id
+        pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=g)
+        grid, types = torch.tensor([[1, 4, 4]]), (ids == config.image_token_id).long()
+        return model, dict(
+            input_ids=ids, labels=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types
+        )
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def _child(
+    variant: str, dtype: str, small: bool, steps: int, name: str = "llama", compiled: bool = False
+) -> dict:
     import transformers
 
     import invact
 
     transformers.utils.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**(SMALL if small else MODEL))
-    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).train()
+    model, inputs = _model(name, small)
+    model = model.to(getattr(torch, dtype)).train()
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(getattr(torch, dtype))
     if VARIANTS[variant] is not None:
         invact.patch(model, **VARIANTS[variant])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+    run = torch.compile(model) if compiled else model
 
     def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = run(**inputs).loss
         loss.backward()
         optimizer.step()
         return loss.item()
@@ -76,7 +127,7 @@ def _child(variant: str, dtype: str, small: bool, steps: int) -> dict:
         losses.append(step())
         peaks.append(_kib("VmHWM") - before)
     with invact.memory.count_saved(model) as counter:
-        model(input_ids=ids, labels=ids)
+        model(**inputs)
     return {"peak_bytes": statistics.median(peaks), "peaks": peaks, "losses": losses,
             "saved_bytes": counter.report.saved_bytes}  # fmt: skip
 
@@ -86,20 +137,27 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per variant (default 5)")
     parser.add_argument("--small", action="store_true", help="a small model (a check that it runs)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default: results/)")
+    parser.add_argument("--model", choices=("llama", "gpt2", "qwen2-vl"), default="llama",
+                        help="the model (default llama; see above)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="both sides under torch.compile")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(*args.child, args.small, args.steps)))
+        print(json.dumps(_child(*args.child, args.small, args.steps, args.model, args.compile)))
         return 0
     config = SMALL if args.small else MODEL
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     rows = []
+    flags = (
+        ["--model", args.model]
+        + (["--small"] if args.small else [])
+        + (["--compile"] if args.compile else [])
+    )
     for dtype in ("float32", "bfloat16"):
         row = {"dtype": dtype, "variants": {}}
         for variant in VARIANTS:
             command = [sys.executable, __file__, "--child", variant, dtype, "--steps", str(args.steps)]
-            done = subprocess.run(command + (["--small"] if args.small else []), env=env, capture_output=True,
-                                  text=True, check=True)  # fmt: skip
+            done = subprocess.run(command + flags, env=env, capture_output=True, text=True, check=True)
             row["variants"][variant] = json.loads(done.stdout.strip().splitlines()[-1])
             print(dtype, variant, row["variants"][variant]["peak_bytes"] / 2**20, "MiB", flush=True)
         rows.append(row)
@@ -107,25 +165,35 @@ def main(argv=None) -> int:
     result = {
         "device": device_name("cpu"),
         "torch": torch.__version__,
-        "model": config,
+        "model": config if args.model == "llama" else args.model,
+        "compiled": args.compile,
         "batch": BATCH,
         "seq": SEQ,
-        "fp32_logits_bytes": tokens * config["vocab_size"] * 4,
+        "fp32_logits_bytes": tokens * _vocab(args.model, args.small) * 4,
         "mmap_threshold": MMAP_THRESHOLD,
         "rows": rows,
     }
     print()
     print(table(result))
-    path = write_result(result, "step_peak", "cpu", out=args.out)
+    suffix = ("" if args.model == "llama" else f"_{args.model}") + ("_compiled" if args.compile else "")
+    path = write_result(result, "step_peak", "cpu", out=args.out or RESULTS / f"step_peak_cpu{suffix}.json")
     path.with_suffix(".md").write_text(table(result) + "\n")  # the table the docs include
     return 0
+
+
+def _which(result: dict) -> str:
+    """The model and mode where they are not the original run's (Llama, eager): "gpt2 compiled, "."""
+    name = result["model"] if isinstance(result["model"], str) else "llama"
+    compiled = result.get("compiled", False)
+    return "" if name == "llama" and not compiled else f"{name}{' compiled' if compiled else ''}, "
 
 
 def table(result: dict) -> str:
     mib = 2**20
     lines = [
-        f"Peak of a whole training step above the resident set before it (MiB; median of steps), "
-        f"{result['device']}, torch {result['torch']}; one fp32 (tokens x vocab) tensor = "
+        "Peak of a whole training step above the resident set before it (MiB; median of steps), "
+        + _which(result)
+        + f"{result['device']}, torch {result['torch']}; one fp32 (tokens x vocab) tensor = "
         f"{result['fp32_logits_bytes'] / mib:.1f} MiB",
         "",
         "| dtype | " + " | ".join(VARIANTS) + " | eager - patch() | saved for backward: eager -> patch() |",

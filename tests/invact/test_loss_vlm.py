@@ -1,8 +1,8 @@
-"""Vision-language models take the loss path: a training step with an image on tiny configs (2 text
-layers of 64, 2 vision layers, the families' own vocabularies), vision tower and language model
-patched, against the unpatched model: loss and every parameter's gradient within the fp32 bound,
-no logits kept, the fp32 (tokens x vocab) log-softmax no longer saved; and under torch.compile the
-loss is invact's op."""
+"""Vision- and audio-language models take the loss path: a training step with an image (Voxtral: with
+audio) on tiny configs (2 text layers of 64, 1-2 tower layers, the families' own vocabularies), the
+tower and the language model patched, against the unpatched model: loss and every parameter's
+gradient within the fp32 bound, no logits kept, the fp32 (tokens x vocab) log-softmax no longer
+saved; and under torch.compile the loss is invact's op."""
 
 from __future__ import annotations
 
@@ -142,9 +142,24 @@ def _idefics3():
     )
 
 
-# six vision-language families people fine-tune (SmolVLM is Idefics3's architecture)
+def _voxtral():
+    T = transformers
+    config = T.VoxtralConfig(
+        audio_config=dict(d_model=32, intermediate_size=128, encoder_layers=1, encoder_attention_heads=4,
+                          encoder_ffn_dim=128, num_mel_bins=8, max_source_positions=16, dropout=0.0),
+        text_config=dict(model_type="llama", **TEXT, head_dim=16, vocab_size=131072),
+        audio_token_id=24,
+    )  # fmt: skip
+    # 32 mel frames: 16 encoder positions of 32, merged 4 at a time into 4 audio tokens
+    ids = _ids(131072, config.audio_token_id, 4)
+    features = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(2))
+    return T.VoxtralForConditionalGeneration(config), ids, dict(input_features=features)
+
+
+# six vision-language families people fine-tune (SmolVLM is Idefics3's architecture), and an
+# audio-language one with audio
 MODELS = {"qwen2-vl": _qwen2_vl, "qwen2.5-vl": _qwen2_5_vl, "gemma3": _gemma3, "llava": _llava,
-          "idefics3": _idefics3, "paligemma": _paligemma}  # fmt: skip
+          "idefics3": _idefics3, "paligemma": _paligemma, "voxtral (audio)": _voxtral}  # fmt: skip
 
 
 def _ids(vocab: int, image: int, count: int, start: int | None = None) -> torch.Tensor:
@@ -186,8 +201,10 @@ def test_a_vlm_step_with_an_image_takes_the_loss_and_matches_eager(label):
     (d,) = [d for d in decisions if d.kind == "loss"]
     assert d.replace, d.reason
     norms = [d.name for d in decisions if d.kind == "norm" and d.replace]
-    tower = [n for n in norms if "vision" in n or "visual" in n]
-    assert tower and len(tower) < len(norms), norms  # the vision tower's norms and the language model's
+    tower = [n for n in norms if any(word in n for word in ("vision", "visual", "audio"))]
+    assert tower and len(tower) < len(norms), (
+        norms
+    )  # the vision or audio tower's norms and the language model's
     patched = copy.deepcopy(plain)
     invact.patch(patched)
     want_out, want_loss, want_grads = _step(plain, inputs)
