@@ -68,6 +68,10 @@ def _module(name: str):
     [
         ("loss_time", "loss_time_cpu", lambda m, r: m.table(r)),
         ("step_peak", "step_peak_cpu", lambda m, r: m.table(r)),
+        ("step_peak", "step_peak_cpu_gpt2", lambda m, r: m.table(r)),
+        ("step_peak", "step_peak_cpu_gpt2_compiled", lambda m, r: m.table(r)),
+        ("step_peak", "step_peak_cpu_qwen2-vl", lambda m, r: m.table(r)),
+        ("step_peak", "step_peak_cpu_qwen2-vl_compiled", lambda m, r: m.table(r)),
         ("plan_lm", "plan_lm", lambda m, r: m.table(r)),
         ("memory", "memory_lm_cpu", lambda m, r: m.markdown_lm(r["rows"])),
         ("memory", "memory_lm_cpu_bfloat16", lambda m, r: m.markdown_lm(r["rows"])),
@@ -125,3 +129,24 @@ def test_torch_default_options_figures_in_the_docs_are_the_results():
     ]
     text = " ".join((ROOT / "docs" / "patching.md").read_text().split())
     assert not [f for f in figures if f not in text]
+
+
+def test_the_compiled_step_peaks_in_the_docs_are_the_results():
+    text = " ".join((ROOT / "docs" / "results" / "loss.md").read_text().split())
+    mib = 2**20
+
+    def drop(stem: str, dtype: str) -> float:
+        step = json.loads((RESULTS / f"{stem}.json").read_text())
+        (v,) = [r["variants"] for r in step["rows"] if r["dtype"] == dtype]
+        return (v["eager"]["peak_bytes"] - v["patch()"]["peak_bytes"]) / mib
+
+    gpt2, qwen = (
+        drop("step_peak_cpu_gpt2_compiled", "float32"),
+        drop("step_peak_cpu_qwen2-vl_compiled", "float32"),
+    )
+    assert f"(GPT-2 by {gpt2:.0f} MiB" in text and f"Qwen2-VL by {qwen:.0f} MiB" in text
+    up = (
+        -drop("step_peak_cpu_gpt2_compiled", "bfloat16"),
+        -drop("step_peak_cpu_qwen2-vl_compiled", "bfloat16"),
+    )
+    assert f"(GPT-2 +{up[0]:.0f} MiB, Qwen2-VL +{up[1]:.0f} MiB)" in text
