@@ -168,7 +168,7 @@ def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = 
         z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
         total = z.sum(dim=1) if smoothing else None
         return torch.logsumexp(z, dim=1), z.gather(1, t.unsqueeze(1)).squeeze(1), total
-    lse = picked = total = None
+    lse = total = None
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         pre = F.linear(h, weight[start:stop], None if bias is None else bias[start:stop])
@@ -176,13 +176,24 @@ def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = 
         del pre
         block = torch.logsumexp(z, dim=1)
         lse = block if lse is None else torch.logaddexp(lse, block)
-        inside = (t >= start) & (t < stop)
-        at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
-        here = torch.where(inside, z.gather(1, at).squeeze(1), 0.0)
-        picked = here if picked is None else picked + here
         if smoothing:
             total = z.sum(dim=1) if total is None else total + z.sum(dim=1)
-    return lse, picked, total
+    return lse, _target_logits(h, t, weight, bias, ops), total
+
+
+def _target_logits(h, t, weight, bias, ops: tuple) -> torch.Tensor:
+    """Each row's transformed logit at its target (rows,), fp32, from its target's weight row: the dot
+    product the block's matmul forms, in fp32 and rounded to the matmul's dtype (its last place may
+    differ from the matmul's: another summation order). Read from no block of logits, so none outlives
+    its own log-sum-exp: under inductor a gather from every block fused into one kernel that kept them
+    all, one fp32 (rows x vocab) tensor at the forward's peak (512 x 128 x 50257: 98 MiB, against 29
+    MiB eager)."""
+    pre = torch.linalg.vecdot(h.float(), weight.index_select(0, t).float())
+    if bias is not None:
+        pre = pre + bias.index_select(0, t).float()
+    dtype = torch.result_type(h, weight)
+    pre = pre if dtype == torch.float32 else pre.to(dtype)
+    return _transformed(pre.unsqueeze(1), ops, keep=False)[0].squeeze(1)
 
 
 # aten's reduction codes for nll_loss_forward / nll_loss_backward (torch's Reduction enum)
