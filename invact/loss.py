@@ -181,6 +181,16 @@ def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = 
     return lse, _target_logits(h, t, weight, bias, ops), total
 
 
+def _after(h: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """h, bitwise (h + 0 * x is h for finite x; a -0.0 becomes +0.0, which multiplies alike), made to
+    depend on `previous` (rows,), the previous vocabulary block's result: in a compiled graph's backward
+    body this orders the blocks, where inductor otherwise computed every block's logits again
+    (independent matmuls) ahead and fused their elementwise passes, keeping them all alive: the loss
+    alone (512 x 128 hidden states, vocabulary 50257, CPU) peaked at 133 MiB in bf16 and 66 MiB in
+    fp32 compiled, against 57 and 48 MiB ordered (19 and 29 eager)."""
+    return h + (previous.unsqueeze(1) * 0.0).to(h.dtype)
+
+
 def _target_logits(h, t, weight, bias, ops: tuple) -> torch.Tensor:
     """Each row's transformed logit at its target (rows,), fp32, from its target's weight row: the dot
     product the block's matmul forms, in fp32 and rounded to the matmul's dtype (its last place may
@@ -287,7 +297,8 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
     for start in range(0, vocab, step):
         stop = min(start + step, vocab)
         w = weight if one else weight[start:stop]
-        pre = logits(h, w, None if bias is None else (bias if one else bias[start:stop]))
+        hb = h if kernels or dh is None else _after(h, dh[:, 0])
+        pre = logits(hb, w, None if bias is None else (bias if one else bias[start:stop]))
         p, scale, tanhs = _transformed(pre, ops, keep=True)
         del pre
         p = p.sub_(lse).exp_()  # the softmax of the transformed logits
