@@ -68,6 +68,7 @@ def _module(name: str):
     [
         ("loss_time", "loss_time_cpu", lambda m, r: m.table(r)),
         ("step_peak", "step_peak_cpu", lambda m, r: m.table(r)),
+        ("step_peak", "step_peak_cpu_compiled", lambda m, r: m.table(r)),
         ("step_peak", "step_peak_cpu_gpt2", lambda m, r: m.table(r)),
         ("step_peak", "step_peak_cpu_gpt2_compiled", lambda m, r: m.table(r)),
         ("step_peak", "step_peak_cpu_qwen2-vl", lambda m, r: m.table(r)),
@@ -145,3 +146,5 @@ def test_the_compiled_step_peaks_in_the_docs_are_the_results():
     assert f"fp32 GPT-2 by {gpt2:.0f} MiB" in text and f"Qwen2-VL by {qwen:.0f} MiB" in text
     bf16 = [drop(f"step_peak_cpu_{m}_compiled", "bfloat16") for m in ("gpt2", "qwen2-vl")]
     assert f"bf16 GPT-2 by {bf16[0]:.0f} MiB and Qwen2-VL by {bf16[1]:.0f} MiB" in text
+    llama = [drop("step_peak_cpu_compiled", dtype) for dtype in ("float32", "bfloat16")]
+    assert f"by {llama[0]:.0f} MiB in fp32 and {llama[1]:.0f} MiB in bf16" in text
