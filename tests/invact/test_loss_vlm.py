@@ -44,12 +44,16 @@ def _qwen2_vl():
         vision_start_token_id=151652,
         video_token_id=151656,
     )
-    # one 56 x 56 image: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens
+    return T.Qwen2VLForConditionalGeneration(config), *_qwen_image(config)
+
+
+def _qwen_image(config) -> tuple[torch.Tensor, dict]:
+    """(token ids, image inputs) of Qwen's VL models for one 56 x 56 image: 4 x 4 patches of 14 (2
+    frames each: the temporal patch), merged 2 x 2 into 4 image tokens after the vision-start token."""
     ids = _ids(151936, config.image_token_id, 4, start=config.vision_start_token_id)
     types = (ids == config.image_token_id).long()
     pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(2))
-    inputs = dict(pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=types)
-    return T.Qwen2VLForConditionalGeneration(config), ids, inputs
+    return ids, dict(pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=types)
 
 
 def _llava():
@@ -101,11 +105,7 @@ def _qwen2_5_vl():
         vision_start_token_id=151652,
         video_token_id=151656,
     )
-    ids = _ids(151936, config.image_token_id, 4, start=config.vision_start_token_id)
-    types = (ids == config.image_token_id).long()
-    pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(2))
-    inputs = dict(pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=types)
-    return T.Qwen2_5_VLForConditionalGeneration(config), ids, inputs
+    return T.Qwen2_5_VLForConditionalGeneration(config), *_qwen_image(config)
 
 
 def _gemma3():
