@@ -72,7 +72,7 @@ from invact._traced import trace_as
 from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.ops import _backend_env_set, backend_for
+from invact.ops import backend_for
 
 log = logging.getLogger("invact")
 
@@ -338,13 +338,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # One block without label smoothing (a small head, whose cost is host time): F.cross_entropy's
         # own ops (_nll_loss); the kernels' one pass beats them where they serve.
         vocab = weight.shape[0]
-        if hidden.is_cpu and not _backend_env_set():  # no kernels: block_columns' rule in one step
-            one = 4 * vocab * hidden.shape[0] <= BLOCK_BYTES["cpu"] or vocab <= MIN_COLUMNS
-            nll = one and not smoothing
-        else:
-            nll = not smoothing and block_columns(hidden.shape[0], vocab, hidden.device) >= vocab
-            nll = nll and not _kernels(hidden, bias, ops)
-        ctx.nll = nll
+        nll = not smoothing and block_columns(hidden.shape[0], vocab, hidden.device) >= vocab
+        ctx.nll = nll = nll and not _kernels(hidden, bias, ops)
         ctx.ops, ctx.ignore_index, ctx.mean = ops, ignore_index, mean
         ctx.pre_dtype = torch.result_type(hidden, weight)
         if nll:

@@ -276,10 +276,9 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
     """(dx, dweight, dbias) from what the forward kept: y (from_x False) or x, and the statistics;
     `residual`: y's packed rounding residuals (encode_residual), where the forward kept them;
     `kernels` False: torch ops only, no Triton or numba kernel (a compiled graph's body)."""
-    d = kept.shape[-1]
     cd = compute_dtype(v, kept.dtype)
     rstd_c = _rows(rstd.to(cd))
-    w_eff = None if weight is None else (weight.to(cd) + v.offset if v.offset else weight.to(cd))
+    w_eff = _w_eff(weight, v, cd)
     fused = kernels and (
         _triton_backend(kept) or kept.is_cpu and kept.numel() >= NUMBA_MIN_ELEMENTS and _numba_available()
     )
@@ -299,13 +298,8 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
             h = h / w_eff
     g_out = _rows(dy.to(cd))
     if v.center:
-        zeros = h.new_zeros(h.shape[0], 1)
         b = None if bias is None else bias.to(cd)  # its values are not read: its gradient is sum(dy)
-        mask = [needs[0], needs[1] and w_eff is not None, needs[2] and b is not None]
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            g_out, h, [d], zeros, torch.ones_like(zeros), w_eff, b, mask
-        )
-        dx = None if dx is None else dx * rstd_c
+        dx, dw, db = _layer_grads(g_out, h, rstd_c, w_eff, b, needs)
     else:
         g = g_out if w_eff is None else g_out * w_eff
         dx = rstd_c * (g - h * (g * h).mean(-1, keepdim=True)) if needs[0] else None
@@ -340,6 +334,26 @@ def _cast_grads(dx, dw, db, dy, weight, bias, needs):
     return dx, dw, db
 
 
+def _w_eff(weight, v: Variant, dtype: torch.dtype):
+    """The effective weight offset + w in `dtype` (None without a weight)."""
+    if weight is None:
+        return None
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    return w + v.offset if v.offset else w
+
+
+def _layer_grads(g_out, h, rstd, w_eff, b, needs):
+    """A LayerNorm's (dx, dweight, dbias) in h's dtype from h (rows, d), through
+    native_layer_norm_backward given h as its input, mean 0 and rstd 1, its dx then times rstd (rows,
+    1); `b` only says whether there is a bias (its gradient is the sum of g_out)."""
+    zeros = h.new_zeros(h.shape[0], 1)
+    mask = [needs[0], needs[1] and w_eff is not None, needs[2] and b is not None]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        g_out, h, [h.shape[-1]], zeros, torch.ones_like(zeros), w_eff, b, mask
+    )
+    return None if dx is None else dx * rstd, dw, db
+
+
 def _lean(y: torch.Tensor, weight, bias, v: Variant, pre) -> bool:
     """backward from y can take _lean_backward: y is stored in its compute dtype (fp32 or fp64: nothing
     rounded between h w_eff + b and y, so no residuals), on CPU below the one-pass kernel's size
@@ -364,22 +378,15 @@ def _lean_backward(dy, y, rstd, weight, bias, v: Variant, x_dtype, needs):
     h, dy2 = y.reshape(-1, d), dy.reshape(-1, d)
     if dy2.dtype != h.dtype:
         dy2 = dy2.to(h.dtype)
-    w_eff = b = None
-    if bias is not None:
-        b = bias if bias.dtype == h.dtype else bias.to(h.dtype)
+    b = None if bias is None else (bias if bias.dtype == h.dtype else bias.to(h.dtype))
+    w_eff = _w_eff(weight, v, h.dtype)
+    if b is not None:
         h = h - b
-    if weight is not None:
-        w_eff = weight if weight.dtype == h.dtype else weight.to(h.dtype)
-        if v.offset:
-            w_eff = w_eff + v.offset
+    if w_eff is not None:
         h = h / w_eff
-    zeros = h.new_zeros(h.shape[0], 1)
-    mask = [needs[0], needs[1] and w_eff is not None, needs[2] and b is not None]
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy2, h, [d], zeros, torch.ones_like(zeros), w_eff, b, mask
-    )
+    dx, dw, db = _layer_grads(dy2, h, rstd.reshape(-1, 1), w_eff, b, needs)
     if dx is not None:
-        dx = dx.mul_(rstd.reshape(-1, 1)).view(dy.shape)
+        dx = dx.view(dy.shape)
         if dx.dtype != x_dtype:
             dx = dx.to(x_dtype)
     if dw is not None and dw.dtype != weight.dtype:
@@ -399,11 +406,7 @@ def _rms_backward(dy, y, rstd, weight, v: Variant, x_dtype, needs):
     y2, dy2 = y.reshape(-1, d), dy.reshape(-1, d)
     if dy2.dtype != y2.dtype:
         dy2 = dy2.to(y2.dtype)
-    w_eff = None
-    if weight is not None:
-        w_eff = weight if weight.dtype == y2.dtype else weight.to(y2.dtype)
-        if v.offset:
-            w_eff = w_eff + v.offset
+    w_eff = _w_eff(weight, v, y2.dtype)
     p = dy2 * y2
     dx = dw = None
     if needs[0]:
