@@ -16,6 +16,7 @@ import torch
 
 import invact
 import invact.loss as L
+from tests.invact.test_loss import _families
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,66 +89,15 @@ def test_the_committed_enumeration_is_this_transformers_one(decided):
 
 
 def _tiny():
+    """label -> a tiny model: test_loss's families beyond causal LMs (GPT-2, BERT's LM head, T5, BART,
+    Whisper), a Llama, and OPT (whose head's output goes to the loss through `.contiguous()`)."""
     T = transformers
-    small = dict(vocab_size=300)
-    return {
-        "gpt2": lambda: T.GPT2LMHeadModel(
-            T.GPT2Config(n_embd=32, n_layer=1, n_head=4, n_positions=32, **small)
-        ),
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=300)
+    return {label: make for label, (make, _) in _families().items()} | {
         "llama": lambda: T.LlamaForCausalLM(
-            T.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                **small,
-            )  # fmt: skip
+            T.LlamaConfig(**small, intermediate_size=64, num_key_value_heads=2)
         ),
-        "bert lm head": lambda: T.BertLMHeadModel(
-            T.BertConfig(
-                hidden_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                intermediate_size=64,
-                is_decoder=True,
-                **small,
-            )  # fmt: skip
-        ),
-        "t5": lambda: T.T5ForConditionalGeneration(
-            T.T5Config(
-                d_model=32,
-                d_ff=64,
-                num_layers=1,
-                num_heads=4,
-                d_kv=8,
-                decoder_start_token_id=0,
-                pad_token_id=0,
-                **small,
-            )  # fmt: skip
-        ),
-        "bart": lambda: T.BartForConditionalGeneration(
-            T.BartConfig(
-                d_model=32,
-                encoder_layers=1,
-                decoder_layers=1,
-                encoder_attention_heads=4,
-                decoder_attention_heads=4,
-                encoder_ffn_dim=64,
-                decoder_ffn_dim=64,
-                **small,
-            )  # fmt: skip
-        ),
-        "opt": lambda: T.OPTForCausalLM(
-            T.OPTConfig(
-                hidden_size=32,
-                ffn_dim=64,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                word_embed_proj_dim=32,
-                **small,
-            )  # fmt: skip
-        ),
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(**small, ffn_dim=64, word_embed_proj_dim=32)),
     }
 
 
