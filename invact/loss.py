@@ -92,11 +92,17 @@ BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 MIN_COLUMNS = 256
 
 
-def block_columns(rows: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary columns per block for `rows` rows on `device`: BLOCK_BYTES of fp32 logits (CUDA's
-    figure on other accelerators), at least MIN_COLUMNS, at most the vocabulary."""
-    budget = BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"])
+def block_columns(rows: int, vocab: int, device: torch.device | str) -> int:
+    """Vocabulary columns per block for `rows` rows on `device` (or a device type): BLOCK_BYTES of fp32
+    logits (CUDA's figure on other accelerators), at least MIN_COLUMNS, at most the vocabulary."""
+    budget = BLOCK_BYTES.get(device if type(device) is str else device.type, BLOCK_BYTES["cuda"])
     return min(vocab, max(MIN_COLUMNS, budget // (4 * max(rows, 1))))
+
+
+def _device_type(t: torch.Tensor) -> str:
+    """t.device.type without building a torch.device for the common CPU and CUDA tensors (t.device
+    makes one per call: a small head's forward asks for it on every step)."""
+    return "cpu" if t.is_cpu else "cuda" if t.is_cuda else t.device.type
 
 
 def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
@@ -215,7 +221,9 @@ def _nll_loss(h, target, weight, bias, ops: tuple, ignore_index: int, mean: bool
     label smoothing: the ops F.cross_entropy runs (log-softmax, then nll_loss_forward, whose mean
     divides by that count: nan where none counts, as eager's), computed without autograd (nothing kept).
     A small head's cost is its host time, its ops and Python."""
-    z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
+    z = F.linear(h, weight, bias)
+    if ops or z.dtype is not torch.float32:
+        z = _transformed(z, ops, keep=False)[0]
     return torch.ops.aten.nll_loss_forward(torch.log_softmax(z, 1), target, None, _MEAN if mean else _SUM,
                                            ignore_index)  # fmt: skip
 
@@ -226,7 +234,9 @@ def _nll_grads(grad, h, target, weight, bias, ops: tuple, ignore_index: int, mea
     `grad`: the logits and their log-softmax recomputed, then the two backward ops F.cross_entropy's
     autograd runs (nll_loss_backward, _log_softmax_backward_data: so in fp32 d logits is eager's, bit
     for bit), times the transform's derivative, and the head's products (_head_grads)."""
-    z, factor, tanhs = _transformed(F.linear(h, weight, bias), ops, keep=True)
+    z, factor, tanhs = F.linear(h, weight, bias), 1.0, ()
+    if ops or z.dtype is not torch.float32:
+        z, factor, tanhs = _transformed(z, ops, keep=True)
     logp = torch.log_softmax(z, 1)
     del z
     g = torch.ops.aten.nll_loss_backward(grad, logp, target, None, _MEAN if mean else _SUM, ignore_index,
@@ -243,7 +253,9 @@ def _head_grads(p, h, weight, bias, needs, pre_dtype):
     """(d h in fp32, d weight, d bias; None where not in `needs`) of a one-block head from p, the fp32
     gradient of its logits: each product rounded once, as eager's."""
     d = p if p.dtype is pre_dtype else p.to(pre_dtype)
-    dw = (d.t().mm(h if h.dtype is d.dtype else h.to(d.dtype))).to(weight.dtype) if needs[1] else None
+    dw = d.t().mm(h if h.dtype is d.dtype else h.to(d.dtype)) if needs[1] else None
+    if dw is not None and dw.dtype is not weight.dtype:
+        dw = dw.to(weight.dtype)
     db = p.sum(dim=0).to(bias.dtype) if needs[2] else None
     if not needs[0]:
         return None, dw, db
@@ -338,10 +350,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # One block without label smoothing (a small head, whose cost is host time): F.cross_entropy's
         # own ops (_nll_loss); the kernels' one pass beats them where they serve.
         vocab = weight.shape[0]
-        nll = not smoothing and block_columns(hidden.shape[0], vocab, hidden.device) >= vocab
+        nll = not smoothing and block_columns(hidden.shape[0], vocab, _device_type(hidden)) >= vocab
         ctx.nll = nll = nll and not _kernels(hidden, bias, ops)
         ctx.ops, ctx.ignore_index, ctx.mean = ops, ignore_index, mean
-        ctx.pre_dtype = torch.result_type(hidden, weight)
+        ctx.pre_dtype = hidden.dtype if hidden.dtype is weight.dtype else torch.result_type(hidden, weight)
         if nll:
             loss, total = _nll_loss(hidden, target, weight, bias, ops, ignore_index, mean)
             ctx.save_for_backward(hidden, weight, bias, target, total)
@@ -361,7 +373,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hidden, weight, bias, target, total = ctx.saved_tensors
             dh, dw, db = _nll_grads(grad, hidden, target, weight, bias, ctx.ops, ctx.ignore_index, ctx.mean,
                                     total, needs, ctx.pre_dtype)  # fmt: skip
-            return None if dh is None else dh.to(hidden.dtype), dw, db, None, None, None, None, None
+            if dh is not None and dh.dtype is not hidden.dtype:
+                dh = dh.to(hidden.dtype)
+            return dh, dw, db, None, None, None, None, None
         hidden, weight, bias, target, lse, count = ctx.saved_tensors
         if count is not None:
             grad = grad / count
@@ -530,17 +544,24 @@ def linear_cross_entropy(
     target = target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(f"{target.shape[0]} targets for {hidden.shape[0]} rows of hidden states")
-    if torch.compiler.is_compiling():
-        loss = torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(tuple(ops)),
-                                                     ignore_index, float(label_smoothing))[0]  # fmt: skip
-        if reduction == "mean":
+    return _loss(hidden, weight, bias, target, tuple(ops), ignore_index, float(label_smoothing),
+                 reduction == "mean", torch.compiler.is_compiling())  # fmt: skip
+
+
+def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smoothing: float, mean: bool,
+          compiling: bool):  # fmt: skip
+    """linear_cross_entropy on arguments it has checked: hidden (rows, in), target (rows,), reduction
+    "mean" where `mean`, else "sum"; `compiling`: torch.compiler.is_compiling()."""
+    if compiling:
+        loss = torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(ops),
+                                                     ignore_index, label_smoothing)[0]  # fmt: skip
+        if mean:
             loss = loss / (target != ignore_index).sum()
         return loss
-    mean = reduction == "mean"
     if _is_wrapped(hidden):  # a dead torch.func wrapper: autograd.Function.apply unwraps it
-        return _LinearCrossEntropy.apply(hidden, weight, bias, target, tuple(ops), ignore_index,
-                                         float(label_smoothing), mean)  # fmt: skip
-    return _apply(hidden, weight, bias, target, tuple(ops), ignore_index, float(label_smoothing), mean)
+        args = hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean
+        return _LinearCrossEntropy.apply(*args)
+    return _apply(hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean)
 
 
 # _LinearCrossEntropy's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
@@ -708,14 +729,14 @@ class LossHead(nn.Module):
             # (its recorded steps and F.cross_entropy's __torch_function__ dispatch: 65 us of a tiny
             # Llama's 2.25 ms step on an Intel Xeon, benchmarks/host_time.py).
             if self._invact_straight and (compiling or not (self._forward_hooks or _GLOBAL_FORWARD_HOOKS)):
-                self._invact_hidden = input
                 dtype = torch.promote_types(input.dtype, self.weight.dtype)
                 # The logits' leading dimensions and no columns: the model's steps (_steps) run on it
                 # for nothing, and what the compiled graph returns as the logits (which _disarm drops,
                 # outside the graph) holds no memory. A stand-in of the logits' full shape (one element,
                 # expanded) came out of a soft-cap as a logits-sized tensor at the forward's peak.
                 standin = input.new_empty((*input.shape[:-1], 0), dtype=dtype)
-                self._invact_standin = standin  # _disarm takes it out of the model's output
+                _keep(self, "_invact_hidden", input, compiling)
+                _keep(self, "_invact_standin", standin, compiling)  # _disarm takes it out of the output
                 return standin
             if not compiling:
                 return PendingLogits(input, self.weight, self.bias)
@@ -738,24 +759,29 @@ class HeadLoss:
 
     def __call__(self, logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                  shift_labels=None, **kwargs):  # fmt: skip
-        head = self.head
-        hidden = getattr(head, "_invact_hidden", None)
+        head, compiling = self.head, torch.compiler.is_compiling()
+        hidden = _take(head, "_invact_hidden", compiling)
         if hidden is None:
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)  # fmt: skip
-        del head._invact_hidden
-        head._invact_standin = logits  # the stand-in as the owner's steps left it: _disarm drops it
+        # the stand-in as the owner's steps left it: _disarm drops it
+        _keep(head, "_invact_standin", logits, compiling)
         if shift_labels is None:
             labels = F.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:].contiguous()
-        reduction = "sum" if num_items_in_batch is not None else "mean"
-        ops = _ops(self.owner, self.steps)
+        ops = _ops(self.owner, self.steps) if self.steps else ()
         if ops is None:  # a number patch() read became something else since
             raise TypeError(f"invact: {type(self.owner).__name__}'s scaling of its logits is no longer a "
                             "number; patch it again, or with loss=False")  # fmt: skip
-        loss = linear_cross_entropy(hidden, head.weight, shift_labels.to(hidden.device), head.bias,
-                                    ops=ops, ignore_index=ignore_index, reduction=reduction)  # fmt: skip
-        if reduction == "sum":
+        if not (shift_labels.is_cpu and hidden.is_cpu):
+            shift_labels = shift_labels.to(hidden.device)
+        parameters = head._parameters  # nn.Module's __getattr__ finds them there, a Python call each
+        hidden, target = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1)
+        if target.shape[0] != hidden.shape[0]:
+            raise ValueError(f"{target.shape[0]} labels for {hidden.shape[0]} rows of hidden states")
+        loss = _loss(hidden, parameters["weight"], parameters.get("bias"), target, ops, ignore_index, 0.0,
+                     num_items_in_batch is None, compiling)  # fmt: skip
+        if num_items_in_batch is not None:  # reduction "sum", over the batch's count
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
@@ -1244,25 +1270,44 @@ def _head(model: nn.Module):
     return head
 
 
+def _keep(module: nn.Module, name: str, value, compiling: bool) -> None:
+    """module.name = value for a value nn.Module keeps in its instance dict (not a parameter, buffer or
+    module): eager writes the dict itself, without nn.Module.__setattr__'s Python (a few us a call,
+    several a step); `compiling` (torch.compiler.is_compiling()): the attribute as Dynamo traces it."""
+    if compiling:
+        setattr(module, name, value)
+    else:
+        module.__dict__[name] = value
+
+
+def _take(module: nn.Module, name: str, compiling: bool):
+    """module.name, removed from the module (None where it has none): _keep's counterpart."""
+    if compiling:
+        value = getattr(module, name, None)
+        if value is not None:
+            delattr(module, name)
+        return value
+    return module.__dict__.pop(name, None)
+
+
 def _arm(model, args, kwargs):
     armed = model.training and torch.is_grad_enabled() and _labels(model, args, kwargs) is not None
     head = _head(model) if armed else None
     armed = isinstance(head, LossHead)
+    compiling = torch.compiler.is_compiling()
     if armed:
-        head._invact_armed += 1
-    model._invact_arms = [*getattr(model, "_invact_arms", []), (head, armed)]
+        _keep(head, "_invact_armed", head._invact_armed + 1, compiling)
+    _keep(model, "_invact_arms", [*getattr(model, "_invact_arms", ()), (head, armed)], compiling)
 
 
 def _disarm(model, args, kwargs, output):
     head, armed = model._invact_arms.pop()
     if not armed:
         return output
-    head._invact_armed -= 1
-    if getattr(head, "_invact_hidden", None) is not None:  # kept under compile, no loss took it
-        del head._invact_hidden
-    standin = getattr(head, "_invact_standin", None)  # under compile: the logits' stand-in (LossHead)
-    if standin is not None:
-        del head._invact_standin
+    compiling = torch.compiler.is_compiling()
+    _keep(head, "_invact_armed", head._invact_armed - 1, compiling)
+    _take(head, "_invact_hidden", compiling)  # kept under compile, no loss took it
+    standin = _take(head, "_invact_standin", compiling)  # under compile: the logits' stand-in (LossHead)
     pending = (lambda v: v is standin) if standin is not None else (lambda v: isinstance(v, PendingLogits))
     if isinstance(output, tuple):
         return tuple(None if pending(v) else v for v in output)
