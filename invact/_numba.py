@@ -218,17 +218,17 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     """torch's forward, then the bits in one fused pass for float32 (other dtypes: the portable
     forward's). A contiguous float32 x of up to SERIAL elements (a small layer, whose cost is host time)
     takes the serial kernel straight, without keeps_torch_threads: nothing parallel runs there."""
+    serial = act.__dict__.get("_numba_serial_forward")  # (torch's forward, T in fp32): _forward_any sets it
     if (
-        not precision_bit
+        serial is not None
+        and not precision_bit
         and x.dtype is torch.float32
-        and not act.monotone
         and x.numel() <= SERIAL
         and x.is_contiguous()
-        and _SERIAL_KERNELS is not None  # compiled (the first call goes the long way)
     ):
-        y = act.torch_forward(x)  # contiguous as x (the stride test of _forward_any)
+        y = serial[0](x)  # contiguous as x (the stride test of _forward_any)
         out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-        _SERIAL_KERNELS.pack_less(x.numpy(force=True).ravel(), act.threshold_f32, out.numpy())
+        _SERIAL_KERNELS.pack_less(x.numpy(force=True).ravel(), serial[1], out.numpy())
         return y, out
     return _forward_any(act, x, precision_bit)
 
@@ -247,6 +247,9 @@ def _forward_any(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple
                 return y, x.new_empty(0, dtype=torch.uint8)
             out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
             _serial().pack_less(x_flat, act.threshold_f32, out.numpy())
+            # forward's fast path from now on: the kernels are compiled, and act's torch forward and
+            # threshold kept where a dict lookup finds them (its properties are a Python call each)
+            act.__dict__["_numba_serial_forward"] = (act.torch_forward, act.threshold_f32)
             return y, out
         if precision_bit:
             set_lsb_less_(flat(y), flat(x), act.threshold)

@@ -99,13 +99,14 @@ class _MLP(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # no zero gradient built for an output nobody differentiates
         ctx.act, ctx.precision_bit, ctx.backend, ctx.up_first = act, precision_bit, backward, up_first
         ctx.x_dtype = x.dtype
+        ctx.cast = x.dtype is not compute or w_down.dtype is not compute  # autocast's: _cast_back
         # autocast casts a leaf that needs grad once (its cast cache) and both projections share that
         # copy, whose gradient then sums their parts before the one cast back; any other x is cast per
         # projection, each part cast back, and summed in x's dtype (see _cast_back)
         ctx.cast_once = x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled()
         ctx.save_for_backward(rows, w_up, w_gate, w_down, y, None if w_gate is None else u,
                               bits if bits.numel() else None)  # fmt: skip
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+        return out if x.dim() == 2 else out.view(x.shape[0], x.shape[1], -1)  # x: 2-D or 3-D (_fused)
 
     @staticmethod
     def backward(ctx, dout):
@@ -137,23 +138,23 @@ class _MLP(torch.autograd.Function):
         d_b_g = dg.sum(0) if (need_b_gate if gated else need_b_up) else None
         dx = dg.mm(w_g) if need_x else None
         if dx is not None and len(shape) != 2:
-            dx = dx.view(*shape[:-1], dx.shape[-1])
+            dx = dx.view(shape[0], shape[1], -1)  # 3-D
         if not gated:
             grads = dx, None, d_w_g, d_b_g, None, None, d_w_down, d_b_down
-            return (*_cast_back(grads, x_dtype, w_dtype), None, None, None, None)
+            return (*(_cast_back(grads, x_dtype, w_dtype) if ctx.cast else grads), None, None, None, None)
         du = dh * y
         d_w_up = du.t().mm(rows) if need_w_up else None
         d_b_up = du.sum(0) if need_b_up else None
         dx_up = du.mm(w_up) if need_x else None
         if dx_up is not None and len(shape) != 2:
-            dx_up = dx_up.view(*shape[:-1], dx_up.shape[-1])
+            dx_up = dx_up.view(shape[0], shape[1], -1)
         # Without this Function autograd runs the projection made last first (the higher sequence
         # number) and adds its part to x's gradient first; x's first input slot is added first here.
         first, second = (dx, dx_up) if ctx.up_first else (dx_up, dx)
         if first is not None and first.dtype is not x_dtype and ctx.cast_once:
             first, second = first + second, None  # both parts of the one cast copy's gradient
         grads = first, second, d_w_up, d_b_up, d_w_g, d_b_g, d_w_down, d_b_down
-        return (*_cast_back(grads, x_dtype, w_dtype), None, None, None, None)
+        return (*(_cast_back(grads, x_dtype, w_dtype) if ctx.cast else grads), None, None, None, None)
 
 
 def _cast_back(grads: tuple, x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple:
@@ -479,9 +480,9 @@ class Forward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        if traces_custom_ops():
-            return self._traced(args, kwargs)
         if torch.compiler.is_compiling():
+            if traces_custom_ops():
+                return self._traced(args, kwargs)
             # under torch.func (see invact.ops.invact) or a memory budget (invact._budget): its modules
             return type(module).forward(module, *args, **kwargs)
         if (

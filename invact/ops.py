@@ -300,7 +300,7 @@ class _EagerPlain(torch.autograd.Function):
 def plain_dx(act: Activation, precision_bit: bool, backend: ModuleType, y, bits, dy) -> torch.Tensor:
     """dx from y, the bits and dy in a backward outside torch.func transforms (_EagerPlain's, and
     invact.mlp's), `backend` chosen in the forward (_eager_backends)."""
-    if torch._C._functorch.maybe_current_level() is not None or torch.is_grad_enabled() or y.is_meta:
+    if _current_level() is not None or torch.is_grad_enabled() or y.is_meta:
         # inside a torch.func transform, under create_graph=True, or on the meta device: as _Eager
         return _eager_backward_of(act.name, precision_bit, y, bits, dy)[0]
     if backend is _numba and y.is_contiguous() and dy.is_contiguous():  # both flat by storage order
@@ -321,6 +321,7 @@ def _functorch_wrapped(x: torch.Tensor) -> bool:
 
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_current_level = torch._C._functorch.maybe_current_level
 
 
 def invact(x: torch.Tensor, activation: str, mode: str = "bits") -> torch.Tensor:
