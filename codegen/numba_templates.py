@@ -214,6 +214,14 @@ def _table_span_bits_{isa}(y, bits, dy, dx):  # pragma: no cover - runs compiled
     _table_span_{isa}(y, bits, dy, dx, True)
 
 
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _table_span_bits_at_{isa}(y, bits, dy, dx, n):  # pragma: no cover - runs compiled
+    """_table_span_bits_{isa} given addresses (data_ptr()s of contiguous tensors: n float32 each of y,
+    dy and dx, (n + 7) // 8 bytes of bits), so that a small call builds no numpy array per argument."""
+    prefer_512_bit_vectors()
+    _table_span_{isa}(f32_at(y, n), u8_at(bits, (n + 7) // 8), f32_at(dy, n), f32_at(dx, n), True)
+
+
 @numba.njit(parallel=True, cache=True)
 def table_kernel_{isa}(y, flags, dy, dx):  # pragma: no cover - runs compiled
     """backward_kernel by NEAR_TABLE_{ISA} (needs {needs})."""

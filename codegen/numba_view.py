@@ -219,6 +219,7 @@ import numpy as np
 
 from invact import _lookup  # noqa: F401
 from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
+from invact._cpu_math import f32_at, u8_at  # noqa: F401
 {imports16}
 
 {numba_view(c)}{sixteen}'''

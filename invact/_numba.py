@@ -21,9 +21,9 @@ cache=True: the first call on a machine compiles them (about 5 s on a 2-core mac
 processes load them from numba's disk cache; benchmarks/speed.py reports both first calls.
 
 Up to SERIAL elements (one span) nothing runs in numba's parallel region: the backward calls the span
-function its parallel kernel would call once, and the forward's bits come from serial kernels here
-(_pack_less_one, _set_lsb_less_one; compiled on first use, 0.9 s on a 2-core Intel Xeon with numba's
-import) or, for the rarer layouts, numpy. The bits and dx are the same, bit for bit.
+function its parallel kernel would call once, and the forward's bits come from serial kernels
+(invact/_numba_kernels.py: pack_less_serial_at, called with the tensors' addresses, and
+set_lsb_less_serial) or, for the rarer layouts, numpy. The bits and dx are the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -78,12 +78,6 @@ def keeps_torch_threads(fn):
     return call
 
 
-if np is not None:
-    _GATHER_BITS = np.uint64(0x0102040810204080)  # as in invact/_numba_kernels.py: see _pack_less_one
-    _TOP_BYTE = np.uint64(56)
-    _CLEAR_LSB = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
-
-
 @functools.cache
 def available() -> bool:
     """numba is installed (imported only when the first CPU backward runs: it loads scipy if present)."""
@@ -110,50 +104,6 @@ def _follow_torch_threads() -> None:
         numba.set_num_threads(threads)
 
 
-def _pack_less_one(x, threshold, out):  # pragma: no cover - runs compiled (_serial)
-    """out = the packed bits (LSB first) of x < threshold, on the calling thread: pack_less's work on
-    one span, spelled out here rather than inlined from invact/_numba_kernels.py (numba's disk cache
-    checks a function's own file only). The flags of the last byte's missing elements stay 0, and
-    eight flags (one uint64, little-endian) go into each byte by one multiply (see _GATHER_BITS in
-    invact/_numba_kernels.py)."""
-    padded = (x.size + 7) // 8
-    flags = np.zeros(8 * padded, dtype=np.uint8)
-    for i in range(x.size):
-        flags[i] = x[i] < threshold
-    words = flags.view(np.uint64)
-    for b in range(padded):
-        out[b] = np.uint8((words[b] * _GATHER_BITS) >> _TOP_BYTE)
-
-
-def _set_lsb_less_one(x, y_int, threshold):  # pragma: no cover - runs compiled (_serial)
-    """set_lsb_less (invact/_numba_kernels.py) on the calling thread."""
-    for i in range(x.size):
-        y_int[i] = (y_int[i] & _CLEAR_LSB) | np.int32(x[i] < threshold)
-
-
-class _Serial(NamedTuple):
-    pack_less: object
-    set_lsb_less: object
-
-
-_SERIAL_KERNELS: _Serial | None = None
-
-
-def _serial() -> _Serial:
-    """The forward's kernels for up to SERIAL elements, compiled on first use (cache=True: later
-    processes load them from numba's disk cache, as invact/_numba_kernels.py's). One numba call where
-    numpy took four (compare, packbits, from_numpy, clone): measured on a 2-core Intel Xeon inside a
-    SwiGLU MLP's forward + backward, InvAct's host time over torch's went from 37.6-39.5 us to
-    33.4-34.3 us (40.6 with the parallel kernels, 26.9 with no bits computed at all)."""
-    global _SERIAL_KERNELS
-    if _SERIAL_KERNELS is None:
-        import numba
-
-        jit = numba.njit(cache=True)
-        _SERIAL_KERNELS = _Serial(jit(_pack_less_one), jit(_set_lsb_less_one))
-    return _SERIAL_KERNELS
-
-
 def _words(flags):
     """The whole 8-byte words of a uint8 numpy array, as a uint64 view of the same memory."""
     return flags[: flags.size // 8 * 8].view(np.uint64)
@@ -171,7 +121,7 @@ def _packbits(less) -> torch.Tensor:
 def set_lsb_less_(y: torch.Tensor, x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Precision-bit mode in one pass: y's lowest mantissa bit := x < threshold, in place, for flat
     contiguous float32 CPU tensors (the bool mask then two bitwise passes: three passes)."""
-    kernel = _serial().set_lsb_less if x.numel() <= SERIAL else _kernels().set_lsb_less
+    kernel = _kernels().set_lsb_less_serial if x.numel() <= SERIAL else _kernels().set_lsb_less
     kernel(x.numpy(), y.view(torch.int32).numpy(), np.float32(threshold))
     return y
 
@@ -181,8 +131,10 @@ def pack_less(x: torch.Tensor, threshold: float) -> torch.Tensor:
     pass over x. The threshold is rounded to float32 first, as torch does when it compares with a
     Python float."""
     out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-    kernel = _serial().pack_less if x.numel() <= SERIAL else _kernels().pack_less
-    kernel(x.numpy(), np.float32(threshold), out.numpy())
+    if x.numel() <= SERIAL:
+        _kernels().pack_less_serial_at(x.data_ptr(), x.numel(), np.float32(threshold), out.data_ptr())
+    else:
+        _kernels().pack_less(x.numpy(), np.float32(threshold), out.numpy())
     return out
 
 
@@ -218,7 +170,8 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     """torch's forward, then the bits in one fused pass for float32 (other dtypes: the portable
     forward's). A contiguous float32 x of up to SERIAL elements (a small layer, whose cost is host time)
     takes the serial kernel straight, without keeps_torch_threads: nothing parallel runs there."""
-    serial = act.__dict__.get("_numba_serial_forward")  # (torch's forward, T in fp32): _forward_any sets it
+    # (torch's forward, T in fp32, the serial kernel), set by _forward_any's first serial call
+    serial = act.__dict__.get("_numba_serial_forward")
     if (
         serial is not None
         and not precision_bit
@@ -228,7 +181,7 @@ def forward(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple[torc
     ):
         y = serial[0](x)  # contiguous as x (the stride test of _forward_any)
         out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-        _SERIAL_KERNELS.pack_less(x.numpy(force=True).ravel(), serial[1], out.numpy())
+        serial[2](x.data_ptr(), x.numel(), serial[1], out.data_ptr())  # addresses: no numpy arrays
         return y, out
     return _forward_any(act, x, precision_bit)
 
@@ -241,15 +194,17 @@ def _forward_any(act: Activation, x: torch.Tensor, precision_bit: bool) -> tuple
     y = act.torch_forward(x)  # on x as given: torch's strided and contiguous paths round differently
     if x.stride() == y.stride():
         if x.numel() <= SERIAL and x.is_contiguous():  # on this thread (SERIAL), x as it lies
-            x_flat = x.numpy(force=True).ravel()  # force: x may need grad (the array shares its memory)
             if precision_bit:  # y is ours: its lowest mantissa bit becomes the branch bit
-                _serial().set_lsb_less(x_flat, y.numpy().view(np.int32).ravel(), act.threshold_f32)
+                x_flat = x.numpy(force=True).ravel()  # force: x may need grad (the array shares its memory)
+                y_int = y.numpy().view(np.int32).ravel()
+                _kernels().set_lsb_less_serial(x_flat, y_int, act.threshold_f32)
                 return y, x.new_empty(0, dtype=torch.uint8)
             out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-            _serial().pack_less(x_flat, act.threshold_f32, out.numpy())
-            # forward's fast path from now on: the kernels are compiled, and act's torch forward and
-            # threshold kept where a dict lookup finds them (its properties are a Python call each)
-            act.__dict__["_numba_serial_forward"] = (act.torch_forward, act.threshold_f32)
+            kernel = _kernels().pack_less_serial_at
+            kernel(x.data_ptr(), x.numel(), act.threshold_f32, out.data_ptr())
+            # forward's fast path from now on: act's torch forward, threshold and the kernel where one
+            # dict lookup finds them (act's properties are a Python call each)
+            act.__dict__["_numba_serial_forward"] = (act.torch_forward, act.threshold_f32, kernel)
             return y, out
         if precision_bit:
             set_lsb_less_(flat(y), flat(x), act.threshold)
@@ -296,6 +251,7 @@ class Kernels(NamedTuple):
     bits: object
     span_flags: object
     span_bits: object
+    span_bits_at: object  # span_bits given the tensors' addresses and the count (None where absent)
 
 
 def kernels_of(act: Activation) -> Kernels:
@@ -312,16 +268,17 @@ def find_kernels(act: Activation) -> Kernels:
     where backward_kernel is the table kernel of an instruction set (TABLE_KERNELS), else
     _backward_span (the polynomial's, or a monotone activation's)."""
     cpu = act.cpu  # imports numba and loads the view's kernels from its disk cache
-    span_flags, span_bits = getattr(cpu, "_backward_span", None), None
+    span_flags, span_bits, span_bits_at = getattr(cpu, "_backward_span", None), None, None
     for isa, (table, _) in getattr(cpu, "TABLE_KERNELS", {}).items():
         if cpu.backward_kernel is table:
             span_flags = getattr(cpu, f"_table_span_flags_{isa}", None)
             span_bits = getattr(cpu, f"_table_span_bits_{isa}", None)
+            span_bits_at = getattr(cpu, f"_table_span_bits_at_{isa}", None)
             if span_flags is None or span_bits is None:  # not the view this module knows: in parallel
-                span_flags = span_bits = None
+                span_flags = span_bits = span_bits_at = None
     span = getattr(cpu, "_SPAN", 0) if span_flags is not None else 0
     bits = getattr(cpu, "backward_kernel_bits", None)
-    return Kernels(span, cpu.backward_kernel, bits, span_flags, span_bits)
+    return Kernels(span, cpu.backward_kernel, bits, span_flags, span_bits, span_bits_at)
 
 
 def _flags(y: torch.Tensor, bits: torch.Tensor, precision_bit: bool) -> np.ndarray:
@@ -335,7 +292,8 @@ def _flags(y: torch.Tensor, bits: torch.Tensor, precision_bit: bool) -> np.ndarr
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
              ) -> torch.Tensor:  # fmt: skip
     """_backward_any, where fp32 y, dy and packed bits of one span run its serial function straight,
-    without keeps_torch_threads (nothing parallel runs there): a small layer's cost is host time."""
+    without keeps_torch_threads (nothing parallel runs there), given the tensors' addresses where the
+    view has that entry (no numpy array per argument): a small layer's cost is host time."""
     kernels = act.__dict__.get("_numba_kernels")
     if (
         kernels is not None
@@ -346,11 +304,17 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
         and y.numel() <= kernels.span
         and y.is_contiguous()
         and dy.is_contiguous()
-        and bits.numel()
+        and dy.numel() == y.numel()  # the kernel reads what the addresses hold: sizes checked here
+        and bits.numel() >= (y.numel() + 7) // 8
+        and bits.dtype is torch.uint8
     ):
         dx = torch.empty_like(y)
+        bits = bits.contiguous()
+        if kernels.span_bits_at is not None:
+            kernels.span_bits_at(y.data_ptr(), bits.data_ptr(), dy.data_ptr(), dx.data_ptr(), y.numel())
+            return dx
         arrays = y.numpy().ravel(), dy.numpy().ravel(), dx.numpy().ravel()  # contiguous: views
-        kernels.span_bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
+        kernels.span_bits(arrays[0], bits.numpy(), arrays[1], arrays[2])
         return dx
     return _backward_any(act, y, bits, dy, precision_bit)
 

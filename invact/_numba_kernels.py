@@ -11,6 +11,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from invact._cpu_math import f32_at, u8_at
+
 _CLEAR_LSB = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
 
 
@@ -103,4 +105,27 @@ def set_lsb_less_rows(x, rows, row_stride, cols, y_int, threshold):  # pragma: n
 def set_lsb_less(x, y_int, threshold):  # pragma: no cover - runs compiled
     """The lowest bit of each y (as int32) := x < threshold, in place."""
     for i in numba.prange(x.size):
+        y_int[i] = (y_int[i] & _CLEAR_LSB) | np.int32(x[i] < threshold)
+
+
+@numba.njit(cache=True)
+def pack_less_serial_at(x, n, threshold, out):  # pragma: no cover - runs compiled
+    """pack_less on the calling thread for a small x (up to invact._numba.SERIAL elements), given by
+    addresses: x the n float32 at address x, out the (n + 7) // 8 bytes at address out (data_ptr()s
+    of contiguous tensors; invact._numba checks their dtype, layout and size). The flags of the last
+    byte's missing elements stay 0, eight flags (one uint64) go into each byte by one multiply."""
+    padded = (n + 7) // 8
+    xs, dest = f32_at(x, n), u8_at(out, padded)
+    flags = np.zeros(8 * padded, dtype=np.uint8)
+    for i in range(n):
+        flags[i] = xs[i] < threshold
+    words = flags.view(np.uint64)
+    for b in range(padded):
+        dest[b] = np.uint8((words[b] * _GATHER_BITS) >> _TOP_BYTE)
+
+
+@numba.njit(cache=True)
+def set_lsb_less_serial(x, y_int, threshold):  # pragma: no cover - runs compiled
+    """set_lsb_less on the calling thread, for up to invact._numba.SERIAL elements."""
+    for i in range(x.size):
         y_int[i] = (y_int[i] & _CLEAR_LSB) | np.int32(x[i] < threshold)
