@@ -26,7 +26,7 @@ torch's.
 the calls of invact's own ops among them: a compiled step should call none.
 
 Layers (the original rows of this script, on `--elements` elements): the backend's bare forward and
-backward (invact.ops' bodies, kernels included), InvAct's forward through the module (autograd
+backward (invact.activation.ops' bodies, kernels included), InvAct's forward through the module (autograd
 recording), and forward + backward(dy) with autograd's device threads on and off (on CUDA the engine
 runs backward on a per-device thread, and a Python backward must be handed to it).
 """
@@ -279,7 +279,7 @@ def top_host_costs(step: Step, calls: int, top: int = 15) -> dict:
 
 def layers(device: str, n: int, calls: int, rounds: int, sync) -> list[dict]:
     import invact
-    from invact import ops
+    from invact.activation import ops
 
     x = torch.randn(n, device=device)
     dy = torch.randn_like(x)

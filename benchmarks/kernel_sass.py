@@ -16,9 +16,9 @@ comes in the specializations a launch picks by n: no masks where n is a multiple
 every transformer shape here), masks per row of 8 elements where n is a multiple of 8 (a masked row
 is masked whole, so each thread still loads its 8 elements as one vector); --tails adds the kernels
 masked per element, whose 16-bit loads go one element at a time: they take any other n up to one
-block, and past it only the last n % 8 elements (a second launch: invact._triton._launch). Calibration: on
-the H100, gelu's bf16 backward (as it was then: 111 instructions per element counted for unaligned
-pointers, a specialization that never ran) measured 1852 GB/s against a copy of 2748; re-measure
+block, and past it only the last n % 8 elements (a second launch: invact.activation._triton._launch).
+Calibration: on the H100, gelu's bf16 backward (as it was then: 111 instructions per element counted for
+unaligned pointers, a specialization that never ran) measured 1852 GB/s against a copy of 2748; re-measure
 with tune.py when a GPU is lent. Writes
 results/kernel_sass_<tune device>.json and prints a markdown table.
 """
@@ -73,8 +73,8 @@ def bytes_per_element(kernel: str, element_size: int, saves_bits: bool) -> float
 
 
 def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) -> list[dict]:
-    from invact import _triton
-    from invact.activations import ACTIVATIONS
+    from invact.activation import _triton
+    from invact.activation.activations import ACTIVATIONS
 
     rows = []
     for name in names:
@@ -92,7 +92,8 @@ def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) 
     return rows
 
 
-# The kernels' mask specializations (invact._triton._launch): n a multiple of the block, of 8, neither.
+# The kernels' mask specializations (invact.activation._triton._launch): n a multiple of the block, of 8,
+# neither.
 MASKS = ("none", "rows", "elements")
 
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
     if not args.tune.is_file():
         parser.error(f"--tune {args.tune}: no such file (benchmarks/tune.py on a GPU writes it)")
-    from invact.activations import ACTIVATIONS
+    from invact.activation.activations import ACTIVATIONS
 
     names = args.only or sorted(ACTIVATIONS)
     unknown = sorted(set(names) - set(ACTIVATIONS))

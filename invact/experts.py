@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from invact._budget import traces_custom_ops
-from invact.activations import ACTIVATIONS
-from invact.modules import InvAct
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.modules import InvAct
 
 
 def _groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -98,7 +98,7 @@ experts_linear.register_autograd(_linear_autograd, setup_context=_linear_setup)
 
 
 # gate_up (S, 2k) rows sorted by expert, weight (E, h, k): out[rows of e] = (act(g) * u) weight[e]^T for
-# g, u = gate_up.chunk(2, -1), act torch's activation `activation` (invact.activations.ACTIVATIONS)
+# g, u = gate_up.chunk(2, -1), act torch's activation `activation` (invact.activation.activations.ACTIVATIONS)
 def _gated_down_impl(gate_up: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      activation: str) -> torch.Tensor:  # fmt: skip
     g, u = gate_up.chunk(2, dim=-1)

@@ -30,9 +30,9 @@ import operator
 
 import torch
 
+from invact.activation.modules import _CALLS
+from invact.activation.ops import _Eager, _EagerPlain
 from invact.memory import storage_id
-from invact.modules import _CALLS
-from invact.ops import _Eager, _EagerPlain
 
 # The autograd nodes of the eager InvAct functions (outside and inside torch.func transforms), and
 # the multiply's. Their Python classes are compared first: a type costs less to read than name(),

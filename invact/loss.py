@@ -69,10 +69,10 @@ from torch import nn
 
 from invact import kinds
 from invact._traced import trace_as
+from invact.activation.ops import backend_for
 from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.ops import backend_for
 
 log = logging.getLogger("invact")
 
@@ -543,7 +543,8 @@ def linear_cross_entropy(
     return _apply(hidden, weight, bias, target, tuple(ops), ignore_index, float(label_smoothing), mean)
 
 
-# _LinearCrossEntropy's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+# _LinearCrossEntropy's apply without autograd.Function.apply's Python layer (see
+# invact.activation.ops._apply_plain)
 _apply = super(torch.autograd.Function, _LinearCrossEntropy).apply
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 

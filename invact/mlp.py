@@ -23,7 +23,7 @@ torch 2.13: for F.linear(x, W, b) on the rows x2 = x.reshape(-1, k), dx = dout2 
 (mm_mat2_backward's branch for the column-major W.t()), db = dout2 summed over rows; the multiply's
 dy = dh * u and du = dh * y; dx of the gated form the sum of its two projections' parts, as autograd
 adds them), so gradients are bitwise the unfused patched module's (tested in fp32 and bf16, 2-D and
-3-D inputs, with and without biases). dg = q(y, bit) dy as InvAct's own backward (invact.ops).
+3-D inputs, with and without biases). dg = q(y, bit) dy as InvAct's own backward (invact.activation.ops).
 
 Under autocast (float32 x and weights, cast for the projections as autocast casts nn.Linear's
 inputs) the Function runs the same casts in forward and keeps one cast copy of x (the modules keep
@@ -59,15 +59,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from invact import _bits, experts, kinds
+from invact import experts, kinds
 from invact._budget import _transforms_active, traces_custom_ops
 from invact._traced import as_ops, trace_as
-from invact.activations import ACTIVATIONS
+from invact.activation import _bits
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.modules import InvAct
+from invact.activation.ops import _eager_backends, _is_wrapped, plain_dx
 from invact.gated import _Hooks
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.modules import InvAct
-from invact.ops import _eager_backends, _is_wrapped, plain_dx
 
 log = logging.getLogger("invact")
 
@@ -80,7 +81,8 @@ class _MLP(torch.autograd.Function):
     no gate F.linear(act(F.linear(x, w_up, b_up)), w_down, b_down), for a contiguous x of 2 or 3
     dimensions, on its rows: F.linear runs a 3-D contiguous input as its rows too (addmm, or mm on
     the folded input without a bias), so every product is the kernel the modules run. Written in the
-    older style (forward takes ctx) for invact.ops._EagerPlain's reason: less host time per apply."""
+    older style (forward takes ctx) for invact.activation.ops._EagerPlain's reason: less host time per
+    apply."""
 
     @staticmethod
     def forward(ctx, x, x_again, w_up, b_up, w_gate, b_gate, w_down, b_down, act, precision_bit, up_first,
@@ -166,7 +168,7 @@ def _cast_back(grads: tuple, x_dtype: torch.dtype, w_dtype: torch.dtype) -> tupl
     return tuple(g if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
-# apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+# apply without autograd.Function.apply's Python layer (see invact.activation.ops._apply_plain)
 _apply = super(torch.autograd.Function, _MLP).apply
 
 
@@ -237,7 +239,7 @@ gated_linear.register_autograd(_gated_linear_autograd, setup_context=_gated_line
 def _gate_up_linear_impl(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          activation: str) -> torch.Tensor:  # fmt: skip
     """F.linear(act(g) * u, weight, bias) for g, u = gate_up.chunk(2, -1): gate_up (..., 2k), weight
-    (n, k), act torch's activation `activation` (a name in invact.activations.ACTIVATIONS)."""
+    (n, k), act torch's activation `activation` (a name in invact.activation.activations.ACTIVATIONS)."""
     g, u = gate_up.chunk(2, dim=-1)
     return F.linear(u * ACTIVATIONS[activation].torch_forward(g), weight, bias)
 
@@ -482,7 +484,8 @@ class Forward:
         if traces_custom_ops():
             return self._traced(args, kwargs)
         if torch.compiler.is_compiling():
-            # under torch.func (see invact.ops.invact) or a memory budget (invact._budget): its modules
+            # under torch.func (see invact.activation.ops.invact) or a memory budget (invact._budget):
+            # its modules
             return type(module).forward(module, *args, **kwargs)
         if (
             len(args) == 1

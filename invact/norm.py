@@ -50,11 +50,11 @@ from invact import kinds
 from invact._budget import _transforms_active, budgeted
 from invact._generated import norms as _spec
 from invact._traced import trace_as
+from invact.activation.ops import _backend_env_set, backend_for
 from invact.callers import inplace_use
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.memory import parameter_storages
-from invact.ops import _backend_env_set, backend_for
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -261,12 +261,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_backend(t: torch.Tensor) -> bool:
-    """The activations' rule (invact.ops.backend_for): Triton for CUDA tensors, or INVACT_BACKEND."""
+    """The activations' rule (invact.activation.ops.backend_for): Triton for CUDA tensors, or
+    INVACT_BACKEND."""
     return backend_for(t) == "triton"
 
 
 def _numba_available() -> bool:
-    from invact import _numba
+    from invact.activation import _numba
 
     return _numba.available()
 
@@ -464,7 +465,7 @@ def _norm_backward(ctx, dy):
 _norm_backward_once = torch.autograd.function.once_differentiable(_norm_backward)
 
 
-# _Norm's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+# _Norm's apply without autograd.Function.apply's Python layer (see invact.activation.ops._apply_plain)
 _apply_norm = super(torch.autograd.Function, _Norm).apply
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 

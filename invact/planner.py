@@ -39,10 +39,10 @@ from torch.overrides import TorchFunctionMode
 import invact
 from invact import kinds
 from invact.activation import REPLACEABLE, SKIPPED, _is_activation_like
+from invact.activation.modules import InvAct
 from invact.gated import multiply
 from invact.loss import output_head
 from invact.memory import count_saved
-from invact.modules import InvAct
 
 # dtype names the planner takes -> torch dtype
 DTYPES: dict[str, torch.dtype] = {

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import invact
-from invact.activations import ACTIVATIONS
-from invact.ops import invact as invact_op
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.ops import invact as invact_op
 from tests.invact.test_functional import (
     HALF_LIMITS,
     _branch_masks,
@@ -109,7 +109,7 @@ def test_direct_launch_runs_the_kernel_tritons_launcher_picks(dtype, n, offset, 
     Triton that specializes on more would have it run a kernel compiled for other arguments."""
     import triton
 
-    from invact import _triton
+    from invact.activation import _triton
 
     act = ACTIVATIONS["gelu"]
     x = torch.randn(n + offset, device="cuda", dtype=dtype)[offset:]

@@ -9,7 +9,7 @@ import torch
 
 import invact
 from invact import experts
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from invact.memory import count_saved, inductor_partition, saved_tensors
 
 transformers = pytest.importorskip("transformers")

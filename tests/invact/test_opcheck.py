@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import invact  # noqa: F401 - registers the ops
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from invact.norm import VARIANTS, invertible
 
 NAMES = sorted(ACTIVATIONS)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from invact import _generated
-from invact.activations import ACTIVATIONS
-from invact.ops import check_mode, invact
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.ops import check_mode, invact
 
 # module class -> ((activation, the constructor arguments that select it), ...)
 _CLASSES: dict[str, list[tuple[str, dict]]] = {}
@@ -53,8 +53,8 @@ _CALLS = _Calls()
 
 
 class InvAct(nn.Module):
-    """y = f(x) for the activation `activation` (a name in invact.activations.ACTIVATIONS), saving y
-    and, unless f is monotone, one bit per element for backward instead of x. `mode`: "bits" (packed
+    """y = f(x) for the activation `activation` (a name in invact.activation.activations.ACTIVATIONS), saving
+    y and, unless f is monotone, one bit per element for backward instead of x. `mode`: "bits" (packed
     bits, ceil(n/8) bytes) or "precision_bit" (the bit in y's lowest mantissa bit: y within 1 ulp of
     torch's, no extra bytes). The torch-compatible classes are this with torch's
     constructor arguments."""

@@ -1,7 +1,7 @@
 """The numba backend for CPU tensors: the backward, one kernel per activation compiled from its
 numba view (fp32 scalar functions, invact/_generated/<act>_cpu.py), and the forward's bit packing
 for float32 (one pass over x). Same signature as the other backends
-(invact/_portable.py).
+(invact/activation/_portable.py).
 Optional: without numba, CPU tensors take the portable backend (correct, ~15x slower than torch's own
 backward).
 
@@ -10,7 +10,7 @@ monotone activation) and dy, and writes dx in fp32 (the kernel is printed by cod
 `backward_kernel_bits` and `backward_kernel` in each numba view). For the floor family's forms it
 evaluates every element's near piece, and each branch's far piece (its exp or log) only on the
 elements past its split. Where numba compiles for AVX-512 or AVX2 the near pieces come by table
-lookup in registers (invact._lookup: on AVX-512 32 entries for both branches and 16 lanes, a
+lookup in registers (invact.activation._lookup: on AVX-512 32 entries for both branches and 16 lanes, a
 polynomial of degree 4 or less in each; on AVX2 8 entries and 8 lanes, degree 7 or less), each block
 reading its byte(s) of bits as they are and noting its far elements, whose pieces then run on a list;
 elsewhere one polynomial in g whose coefficients each element selects by its bit, each thread first
@@ -39,14 +39,14 @@ try:
 except ImportError:  # numba needs numpy: without it this backend is never chosen (available())
     np = None
 
-from invact import _bits, _portable
 from invact._layout import flat
-from invact.activations import SIXTEEN_BIT, Activation
+from invact.activation import _bits, _portable
+from invact.activation.activations import SIXTEEN_BIT, Activation
 
 # Elements up to which every call here runs on the calling thread, without numba's parallel region:
-# the kernels' span (_SPAN in invact/_numba_kernels.py and in each numba view), so up to it a parallel
-# kernel runs one span on one thread anyway, and the serial call leaves out only the region's fork and
-# join. On a small tensor those cost more than the work, and more where the machine is busy: measured on
+# the kernels' span (_SPAN in invact/activation/_numba_kernels.py and in each numba view), so up to it a
+# parallel kernel runs one span on one thread anyway, and the serial call leaves out only the region's fork
+# and join. On a small tensor those cost more than the work, and more where the machine is busy: measured on
 # a 2-core Intel Xeon (AVX-512) while another process kept one core busy, one activation's backward
 # kernel on 64 elements took 5.9 us at best and 96 us at the median through the parallel kernel, 0.67 us
 # through its serial span function; after a region numba's OpenMP worker spins on the other core, so
@@ -79,7 +79,8 @@ def keeps_torch_threads(fn):
 
 
 if np is not None:
-    _GATHER_BITS = np.uint64(0x0102040810204080)  # as in invact/_numba_kernels.py: see _pack_less_one
+    # as in invact/activation/_numba_kernels.py: see _pack_less_one
+    _GATHER_BITS = np.uint64(0x0102040810204080)
     _TOP_BYTE = np.uint64(56)
     _CLEAR_LSB = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
 
@@ -93,7 +94,7 @@ def available() -> bool:
 def _kernels():
     """The kernels every activation shares (imports numba, and loads them from numba's disk cache),
     about to run in parallel: on torch's thread count (_follow_torch_threads)."""
-    from invact import _numba_kernels
+    from invact.activation import _numba_kernels
 
     _follow_torch_threads()
     return _numba_kernels
@@ -112,10 +113,10 @@ def _follow_torch_threads() -> None:
 
 def _pack_less_one(x, threshold, out):  # pragma: no cover - runs compiled (_serial)
     """out = the packed bits (LSB first) of x < threshold, on the calling thread: pack_less's work on
-    one span, spelled out here rather than inlined from invact/_numba_kernels.py (numba's disk cache
-    checks a function's own file only). The flags of the last byte's missing elements stay 0, and
+    one span, spelled out here rather than inlined from invact/activation/_numba_kernels.py (numba's disk
+    cache checks a function's own file only). The flags of the last byte's missing elements stay 0, and
     eight flags (one uint64, little-endian) go into each byte by one multiply (see _GATHER_BITS in
-    invact/_numba_kernels.py)."""
+    invact/activation/_numba_kernels.py)."""
     padded = (x.size + 7) // 8
     flags = np.zeros(8 * padded, dtype=np.uint8)
     for i in range(x.size):
@@ -126,7 +127,7 @@ def _pack_less_one(x, threshold, out):  # pragma: no cover - runs compiled (_ser
 
 
 def _set_lsb_less_one(x, y_int, threshold):  # pragma: no cover - runs compiled (_serial)
-    """set_lsb_less (invact/_numba_kernels.py) on the calling thread."""
+    """set_lsb_less (invact/activation/_numba_kernels.py) on the calling thread."""
     for i in range(x.size):
         y_int[i] = (y_int[i] & _CLEAR_LSB) | np.int32(x[i] < threshold)
 
@@ -141,8 +142,8 @@ _SERIAL_KERNELS: _Serial | None = None
 
 def _serial() -> _Serial:
     """The forward's kernels for up to SERIAL elements, compiled on first use (cache=True: later
-    processes load them from numba's disk cache, as invact/_numba_kernels.py's). One numba call where
-    numpy took four (compare, packbits, from_numpy, clone): measured on a 2-core Intel Xeon inside a
+    processes load them from numba's disk cache, as invact/activation/_numba_kernels.py's). One numba call
+    where numpy took four (compare, packbits, from_numpy, clone): measured on a 2-core Intel Xeon inside a
     SwiGLU MLP's forward + backward, InvAct's host time over torch's went from 37.6-39.5 us to
     33.4-34.3 us (40.6 with the parallel kernels, 26.9 with no bits computed at all)."""
     global _SERIAL_KERNELS
@@ -297,7 +298,7 @@ class Kernels(NamedTuple):
 
 def kernels_of(act: Activation) -> Kernels:
     """find_kernels(act), looked up once per activation and kept in its instance dict (as a cached
-    property would keep it; invact.activations does not import this module: no import circle)."""
+    property would keep it; invact.activation.activations does not import this module: no import circle)."""
     kernels = act.__dict__.get("_numba_kernels")
     if kernels is None:
         kernels = act.__dict__["_numba_kernels"] = find_kernels(act)

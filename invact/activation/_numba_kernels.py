@@ -1,9 +1,9 @@
 """The numba kernels every activation shares: bit packing for the forward and precision-bit mode's
 one-pass bit setting (each activation's backward kernel unpacks its bits itself, span by span:
-invact._cpu_math.unpack_bits). Module-level functions with cache=True: numba compiles
+invact.activation._cpu_math.unpack_bits). Module-level functions with cache=True: numba compiles
 each once per machine and stores the machine code on disk (next to this file, or in its user-wide
 cache directory where that is not writable; NUMBA_CACHE_DIR overrides), and later processes load it
-instead of compiling. Imported by invact._numba on the first CPU call only (it imports numba).
+instead of compiling. Imported by invact.activation._numba on the first CPU call only (it imports numba).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _SPAN = 2**16  # elements per thread's turn: whole bytes of bits (and a 64 KB fl
 @numba.njit(inline="always")
 def _pack(flags, words, out):  # pragma: no cover - runs compiled
     """out = `flags` (one 0/1 byte per element) packed LSB first, eight flags (one uint64 of `words`:
-    flags' whole 8-byte words, a view of a whole array as for invact._cpu_math.unpack_bits) into
+    flags' whole 8-byte words, a view of a whole array as for invact.activation._cpu_math.unpack_bits) into
     each byte by one multiply (loading eight strided elements per byte ran 8x slower)."""
     full = words.size
     for b in range(full):

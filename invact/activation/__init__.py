@@ -1,9 +1,10 @@
 """The activation's home: which modules and function attributes patch() makes InvAct (by class and
 constructor arguments, printed from the activation spec into invact/_generated/), the decision for each
 with its reason (static rules, or measured by one forward with example inputs), and the replacement
-(in place: invact.identity). The op is invact.ops (custom ops and autograd), the module InvAct
-(invact.modules), the kernels per backend invact/_triton.py, invact/_numba.py and the portable torch
-ops (invact/_portable.py), each printed per activation into invact/_generated/.
+(in place: invact.identity). The op is invact.activation.ops (custom ops and autograd), the module InvAct
+(invact.activation.modules), the kernels per backend invact/activation/_triton.py, invact/activation/_numba.py
+and the portable torch ops (invact/activation/_portable.py), each printed per activation into
+invact/_generated/.
 
 With example inputs the one measuring forward also finds the gated products act(g) * u each
 activation's output is a factor of (invact.gated.multiply), for the MLP kind (invact.mlp) to decide
@@ -23,14 +24,14 @@ from torch import nn
 
 from invact import _generated, kinds
 from invact._generated import modules as _classes
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.modules import InvAct
+from invact.activation.ops import check_mode
 from invact.callers import inplace_use
 from invact.gated import multiply
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.memory import parameter_storages
-from invact.modules import InvAct
-from invact.ops import check_mode
 
 # For a replaceable class or function: the activation (a name in ACTIVATIONS) an instance computes.
 Which = Callable[[object], str]
