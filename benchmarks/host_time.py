@@ -10,7 +10,7 @@ Setups, one or more per op kind, each InvAct against torch, forward + backward, 
   one autograd Function (invact.mlp); a SwiGLU MLP (Llama-style gate/up/down, 16 -> 32 -> 16, SiLU),
   patched: one Function too, which saves no gated product act(g) * u; the same SwiGLU MLP with a
   forward invact.mlp does not recognise (it takes a second, unused argument), so that the gated path
-  runs as invact.gated's saved-tensor hooks: what an MLP with a LoRA-wrapped or quantized projection
+  runs as invact.mlp.gated's saved-tensor hooks: what an MLP with a LoRA-wrapped or quantized projection
   costs (eager only: under compile it is the plain SwiGLU's graph);
 - norm: Hugging Face's LlamaRMSNorm and torch's LayerNorm over 16 channels, patched (invact.norm);
 - loss: a causal LM's head + loss, (batch x 4) rows of 16 into a 512-word vocabulary: eager's
@@ -142,7 +142,7 @@ class SwiGLU(nn.Module):
 
 
 class HookedSwiGLU(SwiGLU):
-    """SwiGLU whose forward takes a second argument: not invact.mlp's form, so invact.gated hooks it."""
+    """SwiGLU whose forward takes a second argument: not invact.mlp's form, so invact.mlp.gated hooks it."""
 
     def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

@@ -33,7 +33,7 @@ class Decision:
     reason: str
     saved_bytes: int | None = None  # the activation's own saving: gated products are in gated_bytes
     # The module patch() hooks so that nothing it runs saves a copy of a gated product act(g) * u
-    # (invact.gated): the activation's parent, "" for the model itself; None where nothing is hooked
+    # (invact.mlp.gated): the activation's parent, "" for the model itself; None where nothing is hooked
     # (gated=False, not replaced, or measured to hold no such product).
     gated: str | None = None
     # Measured with example inputs (else None): the bytes the hook saves beyond the activation's own

@@ -41,7 +41,7 @@ def select(cls: str, **given) -> str:
 
 
 class _Calls(threading.local):
-    """The modules hooked by invact.gated whose calls are in progress in this thread (as saved-tensor
+    """The modules hooked by invact.mlp.gated whose calls are in progress in this thread (as saved-tensor
     hooks are: nn.DataParallel runs its replicas' forwards in threads), innermost last: each a scope
     whose `calls` list gets (x, y) of every InvAct module inside that records its calls."""
 
@@ -82,7 +82,7 @@ class InvAct(nn.Module):
     @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = invact(x, self.activation, self.mode)
-        # Recorded for invact.gated (see _invact_notes_calls), not while traced (no state touched);
+        # Recorded for invact.mlp.gated (see _invact_notes_calls), not while traced (no state touched);
         # getattr: under TorchScript self is a ScriptModule, without the class's attributes.
         if getattr(self, "_invact_notes_calls", False) and not torch.compiler.is_compiling():
             scopes = _CALLS.scopes

@@ -185,7 +185,7 @@ def test_reduce_overhead_runs_a_patched_model_in_cuda_graphs():
 
 @pytest.mark.parametrize("transform", ["none", "scale", "softcap"])
 def test_loss_kernels_in_bf16_no_farther_from_float64_than_eager(transform):
-    """invact._loss_triton's passes on CUDA, bf16: the loss and gradients no farther from float64 than
+    """invact.loss._triton's passes on CUDA, bf16: the loss and gradients no farther from float64 than
     eager's (bf16 logits upcast, F.cross_entropy), within test_loss.py's fp32 slack."""
     import invact.loss as L
     from tests.invact.test_loss import (

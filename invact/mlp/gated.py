@@ -15,7 +15,7 @@ What is recognised, by structure and not by class name: a tensor whose autograd 
 base's) is a multiply of which one operand is an InvAct output (any activation, either mode, either
 operand order, any u: nn.Linear's output, a chunk of a fused gate_up projection). Left alone: the
 product after dropout (T5's gated MLP in training: the next layer saves the dropped-out tensor), under
-torch.compile (there invact.mlp's custom ops serve the MLPs it recognises, invact.experts' ops a
+torch.compile (there invact.mlp's custom ops serve the MLPs it recognises, invact.mlp.experts' ops a
 MoE's experts, and invact.mlp.Recomputed's selective checkpoint any other gated module), and under
 outer saved-tensor hooks (activation checkpointing, CPU offload): inner hooks would replace theirs for
 the tensors saved inside the module, and checkpointing drops h anyway. The exception is an observer,

@@ -5,7 +5,7 @@ Hugging Face transformers (5.x) keeps a MoE layer's experts in one module with 3
 (experts, 2 k, hidden) and down_proj (experts, hidden, k), and by default ("grouped_mm") runs every
 routed (token, expert) pair at once: the pairs sorted by expert, gate_up = x_e gate_up_proj[e]^T per
 expert's rows, act(g) * u for g, u = gate_up.chunk(2, -1), then down_proj, the routing weights, the
-pairs summed per token. In eager mode invact.gated's hooks keep its product act(g) * u unsaved
+pairs summed per token. In eager mode invact.mlp.gated's hooks keep its product act(g) * u unsaved
 (recomputed in backward); under torch.compile hooks stand aside, and the partitioner saves the product
 for the down projection's weight gradient. This module takes such a module's compiled calls: the same
 steps, with the down projection and the product as the custom op invact::experts_gated_down, which
@@ -188,7 +188,7 @@ def match(module: nn.Module) -> bool:
 class Forward:
     """The forward set on a matched experts module (an instance attribute): under torch.compile (not
     under torch.func or a memory budget: see invact.mlp.Forward) the ops above; otherwise, the
-    module's own forward (under invact.gated's hooks in eager mode)."""
+    module's own forward (under invact.mlp.gated's hooks in eager mode)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

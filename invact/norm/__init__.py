@@ -189,7 +189,7 @@ def encode_residual(pre: torch.Tensor, y: torch.Tensor, kernels: bool = True) ->
         and pre.dtype == torch.float32
         and _numba_available()
     ):
-        from invact import _norm_cpu
+        from invact.norm import _cpu as _norm_cpu
 
         return _norm_cpu.encode_bf16(pre.contiguous(), y.contiguous())  # the same bytes in one pass
     if y.dtype == torch.bfloat16:
@@ -313,12 +313,12 @@ def _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v: Variant)
     """backward's one-pass kernels on y: Triton (CUDA, or INVACT_BACKEND=triton), which decodes bf16
     residuals itself, else numba on CPU. (dx, sum of dy h, sum of dy) over rows."""
     if _triton_backend(kept):
-        from invact import _norm_triton
+        from invact.norm import _triton as _norm_triton
 
         packed = residual if residual is not None and kept.dtype == torch.bfloat16 else None
         y = _rows(kept if residual is None or packed is not None else decode_residual(kept, residual))
         return _norm_triton.backward(y, packed, _rows(dy), weight, bias, rstd_c, v.center, v.offset)
-    from invact import _norm_cpu
+    from invact.norm import _cpu as _norm_cpu
 
     if residual is not None and kept.dtype == torch.bfloat16:  # decoded in the kernel's pass
         return _norm_cpu.backward(_rows(kept), _rows(dy), w_eff, bias, rstd_c, v.center, residual)
