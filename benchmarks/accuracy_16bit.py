@@ -6,7 +6,7 @@ evaluate (`q16`: the 'half' family where coeffs/defaults_16bit.json names one, e
 and, for comparison, with the fp32 family's q at the same stored y (`fp32 q`); the ratio to torch's;
 and per branch the largest error against that branch's storage floor in the dtype (the error of the
 exact estimator once y is stored: docs/fitting.md, "Error metrics"). Runs the CPU backend, which
-evaluates the q the GPU kernels print for 16-bit y (invact._portable). Prints a markdown table and
+evaluates the q the GPU kernels print for 16-bit y (invact.activation._portable). Prints a markdown table and
 writes results/accuracy_16bit_cpu.json.
 """
 
@@ -33,8 +33,8 @@ def measure(name: str, dtype: torch.dtype, n: int, seed: int = 0) -> dict:
     """One row: RMS errors (torch, InvAct with q16, InvAct with the fp32 q), their ratios to torch's,
     and per branch max error / storage floor, over n inputs x ~ N(0, 1) rounded to `dtype` (those at
     a flat region's edge aside)."""
-    from invact.activations import ACTIVATIONS
-    from invact.ops import invact as invact_op
+    from invact.activation.activations import ACTIVATIONS
+    from invact.activation.ops import invact as invact_op
 
     act = ACTIVATIONS[name]
     gen = act.generated
@@ -75,7 +75,7 @@ def measure(name: str, dtype: torch.dtype, n: int, seed: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from invact.activations import ACTIVATIONS
+    from invact.activation.activations import ACTIVATIONS
 
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)

@@ -5,7 +5,7 @@ The runtime reads only invact/_generated/, printed from the default families (co
 This module renders another family's torch functions with codegen, exactly as `python -m codegen`
 would print them, imports them from a temporary file, and runs InvAct's scheme with them: the forward
 is torch's activation and saves y plus the packed branch bits (x < T), the backward is the runtime's
-portable torch backward (invact._portable.backward) with this family's q. Gradients differ from the
+portable torch backward (invact.activation._portable.backward) with this family's q. Gradients differ from the
 runtime's by the difference between the two families' q (paper: linf_fp32 about 1e-3 per branch)."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch import nn
 from codegen import coeffs_json, spec
 from codegen.common import COEFFS
 from codegen.torch_view import render_torch
-from invact import _bits, _portable
 from invact._layout import flat
-from invact.activations import ACTIVATIONS, Activation
+from invact.activation import _bits, _portable
+from invact.activation.activations import ACTIVATIONS, Activation
 
 
 @functools.cache

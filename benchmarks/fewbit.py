@@ -18,7 +18,7 @@ from torch import nn
 
 from fitting.activations import get_activation
 from fitting.quantize import l2_optimal
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 
 # DP cells of the quantizer: fitting/quantize.py measures 1000 cells within 2.5% of the continuous
 # optimum's L2 at k = 8 (within 0.3% at 4000), far below the k-bit error itself at k <= 4.
@@ -48,7 +48,8 @@ class _FewBit(torch.autograd.Function):
 
 
 class FewBitActivation(nn.Module):
-    """torch's activation `activation` (a name in invact.activations.ACTIVATIONS) with a k-bit gradient."""
+    """torch's activation `activation` (a name in invact.activation.activations.ACTIVATIONS) with a k-bit
+    gradient."""
 
     def __init__(self, activation: str, bits: int) -> None:
         super().__init__()

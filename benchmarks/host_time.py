@@ -10,7 +10,7 @@ Setups, one or more per op kind, each InvAct against torch, forward + backward, 
   one autograd Function (invact.mlp); a SwiGLU MLP (Llama-style gate/up/down, 16 -> 32 -> 16, SiLU),
   patched: one Function too, which saves no gated product act(g) * u; the same SwiGLU MLP with a
   forward invact.mlp does not recognise (it takes a second, unused argument), so that the gated path
-  runs as invact.gated's saved-tensor hooks: what an MLP with a LoRA-wrapped or quantized projection
+  runs as invact.mlp.gated's saved-tensor hooks: what an MLP with a LoRA-wrapped or quantized projection
   costs (eager only: under compile it is the plain SwiGLU's graph);
 - norm: Hugging Face's LlamaRMSNorm and torch's LayerNorm over 16 channels, patched (invact.norm);
 - loss: a causal LM's head + loss, (batch x 4) rows of 16 into a 512-word vocabulary: eager's
@@ -26,7 +26,7 @@ torch's.
 the calls of invact's own ops among them: a compiled step should call none.
 
 Layers (the original rows of this script, on `--elements` elements): the backend's bare forward and
-backward (invact.ops' bodies, kernels included), InvAct's forward through the module (autograd
+backward (invact.activation.ops' bodies, kernels included), InvAct's forward through the module (autograd
 recording), and forward + backward(dy) with autograd's device threads on and off (on CUDA the engine
 runs backward on a per-device thread, and a Python backward must be handed to it).
 """
@@ -142,7 +142,7 @@ class SwiGLU(nn.Module):
 
 
 class HookedSwiGLU(SwiGLU):
-    """SwiGLU whose forward takes a second argument: not invact.mlp's form, so invact.gated hooks it."""
+    """SwiGLU whose forward takes a second argument: not invact.mlp's form, so invact.mlp.gated hooks it."""
 
     def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -279,7 +279,7 @@ def top_host_costs(step: Step, calls: int, top: int = 15) -> dict:
 
 def layers(device: str, n: int, calls: int, rounds: int, sync) -> list[dict]:
     import invact
-    from invact import ops
+    from invact.activation import ops
 
     x = torch.randn(n, device=device)
     dy = torch.randn_like(x)

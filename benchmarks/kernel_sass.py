@@ -10,15 +10,15 @@ results/tune_<device>.json; fp16 takes bf16's copy: a copy moves bytes, not valu
 budget is memory-bound; one over it is compute-bound, and its predicted GB/s is the copy's times
 budget / instructions.
 
-Also the inverted norms' backward kernel (invact/_norm_triton.py) at width 4096, its static count
+Also the inverted norms' backward kernel (invact/norm/_triton.py) at width 4096, its static count
 per row bounding the instructions per element from above (measure_norms). Each activation kernel
 comes in the specializations a launch picks by n: no masks where n is a multiple of the block (1024:
 every transformer shape here), masks per row of 8 elements where n is a multiple of 8 (a masked row
 is masked whole, so each thread still loads its 8 elements as one vector); --tails adds the kernels
 masked per element, whose 16-bit loads go one element at a time: they take any other n up to one
-block, and past it only the last n % 8 elements (a second launch: invact._triton._launch). Calibration: on
-the H100, gelu's bf16 backward (as it was then: 111 instructions per element counted for unaligned
-pointers, a specialization that never ran) measured 1852 GB/s against a copy of 2748; re-measure
+block, and past it only the last n % 8 elements (a second launch: invact.activation._triton._launch).
+Calibration: on the H100, gelu's bf16 backward (as it was then: 111 instructions per element counted for
+unaligned pointers, a specialization that never ran) measured 1852 GB/s against a copy of 2748; re-measure
 with tune.py when a GPU is lent. Writes
 results/kernel_sass_<tune device>.json and prints a markdown table.
 """
@@ -73,8 +73,8 @@ def bytes_per_element(kernel: str, element_size: int, saves_bits: bool) -> float
 
 
 def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) -> list[dict]:
-    from invact import _triton
-    from invact.activations import ACTIVATIONS
+    from invact.activation import _triton
+    from invact.activation.activations import ACTIVATIONS
 
     rows = []
     for name in names:
@@ -92,7 +92,8 @@ def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) 
     return rows
 
 
-# The kernels' mask specializations (invact._triton._launch): n a multiple of the block, of 8, neither.
+# The kernels' mask specializations (invact.activation._triton._launch): n a multiple of the block, of 8,
+# neither.
 MASKS = ("none", "rows", "elements")
 
 
@@ -112,7 +113,7 @@ def _row(label: str, kernel: str, dtype_name: str, masks: str, counts: collectio
 
 
 def norm_kernels() -> list[tuple[str, str, bool, bool]]:
-    """The inverted norms' backward kernel (invact/_norm_triton.py) in each form the norm spec's variants
+    """The inverted norms' backward kernel (invact/norm/_triton.py) in each form the norm spec's variants
     compile it to, fp32 and bf16: (label, dtype, residuals, center), e.g. ("norm rms, residuals",
     "bfloat16", True, False)."""
     from invact.norm import VARIANTS, keeps_residual
@@ -132,7 +133,7 @@ def measure_norms(copy_gbps: dict[str, float]) -> list[dict]:
     which loads and inverts the weights once per program, and the loop body once) over one row's
     elements per thread bounds the instructions per element from above. It moves y, dy and dx (and
     half a byte of residuals)."""
-    from invact import _norm_triton
+    from invact.norm import _triton as _norm_triton
 
     per_thread = _norm_triton.SASS_WIDTH // (32 * _norm_triton.SASS_WARPS)
     rows = []
@@ -169,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="JSON path (default results/kernel_sass_<device>.json)")
     tails = "also the kernels masked per element (n not a multiple of 8)"
     parser.add_argument("--tails", action="store_true", help=tails)
-    no_norms = "leave out the inverted norms' backward kernel (invact/_norm_triton.py)"
+    no_norms = "leave out the inverted norms' backward kernel (invact/norm/_triton.py)"
     parser.add_argument("--no-norms", dest="norms", action="store_false", help=no_norms)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         parser.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
     if not args.tune.is_file():
         parser.error(f"--tune {args.tune}: no such file (benchmarks/tune.py on a GPU writes it)")
-    from invact.activations import ACTIVATIONS
+    from invact.activation.activations import ACTIVATIONS
 
     names = args.only or sorted(ACTIVATIONS)
     unknown = sorted(set(names) - set(ACTIVATIONS))

@@ -12,7 +12,7 @@ inductor's code generation.
 
 The ideal: per activation call, its input (n * 4 bytes) is no longer saved and ceil(n / 8) bytes of
 bits are. "InvAct gated" is invact.patch's default, which also keeps a gated MLP's down projection from
-saving the product act(g) * u (recomputed in backward from the y and u the multiply saves; invact.gated):
+saving the product act(g) * u (recomputed in backward from the y and u the multiply saves; invact.mlp.gated):
 its ideal adds the bytes of every such product a down projection is given. Where g and u are halves of
 one fused gate_up output (Phi-3, MoE experts) the activation-only patch frees nothing (u keeps that
 output saved; "InvAct bits" adds the bits there) and the gated path moves y and u into that output
@@ -280,7 +280,7 @@ def _norms(model: nn.Module, inputs: dict) -> tuple[int, int]:
 def _gated_products(model: nn.Module, inputs: dict) -> int:
     """Bytes of the gated products act(g) * u that ops of the model, patched with gated=False, save
     (one training forward, each storage once): what the gated path stops saving."""
-    from invact.gated import _product_node
+    from invact.mlp.gated import _product_node
 
     seen: dict[int, int] = {}
 

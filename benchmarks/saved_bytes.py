@@ -2,7 +2,7 @@
 the activation's output (which the Linear saves anyway), in bytes per element, for torch's own
 forward and for InvAct (bits mode and precision-bit mode).
 
-One row per generated activation (invact.activations.ACTIVATIONS), fp32 on the CPU. Storages are
+One row per generated activation (invact.activation.activations.ACTIVATIONS), fp32 on the CPU. Storages are
 counted once (invact.memory.saved_tensors' rule), parameters excluded. Prints a markdown table and
 writes benchmarks/results/saved_bytes.{json,md} (or into --out DIR).
 """
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import invact
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from invact.memory import count_saved
 
 RESULTS = Path(__file__).resolve().parent / "results"

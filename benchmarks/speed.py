@@ -53,7 +53,7 @@ from physics import (
 from torch import nn
 
 import invact
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 
 from timing import device_busy_ms, device_name, median_ms, timer, version, wall_ms, write_result
 from tune import kernel_bandwidth
@@ -531,8 +531,8 @@ def numba_target() -> str:
 
 def cpu_kernel() -> str:
     """Which numba backward the fitted two-branch activations run here: the near tables of the
-    instruction set numba compiles for (invact._lookup), or the polynomial in g."""
-    from invact import _lookup
+    instruction set numba compiles for (invact.activation._lookup), or the polynomial in g."""
+    from invact.activation import _lookup
 
     names = {"avx512": "AVX-512", "avx2": "AVX2"}
     isa = _lookup.instruction_set()
@@ -574,8 +574,8 @@ def cpu_backward_bandwidth(elements: int, repeats: int, cache_bytes: int) -> lis
     both read their inputs from DRAM, as a training step's backward reads activations saved long
     before. The first shows where the kernel's arithmetic limits it; the second its distance from the
     memory's bandwidth."""
-    from invact import _numba
-    from invact.activations import ACTIVATIONS
+    from invact.activation import _numba
+    from invact.activation.activations import ACTIVATIONS
 
     evict = torch.ones(max(EVICT_CACHES * cache_bytes, EVICT_MIN_BYTES) // 4)
     rows = []

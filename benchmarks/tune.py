@@ -2,7 +2,7 @@
 num_warps, so block / (32 num_warps) elements per thread. For each kernel (the bits forward x -> y,
 bits and the backward y, bits, dy -> dx of gelu) and dtype it reports achieved GB/s (bytes the kernel
 must move over its median time) next to a same-bytes device copy and the datasheet, marks the best
-configuration and how close the default (invact._triton.CONFIGS) comes to it. Writes
+configuration and how close the default (invact.activation._triton.CONFIGS) comes to it. Writes
 benchmarks/results/tune_<device>.json and prints a markdown table. --device cpu --small runs the
 kernels under TRITON_INTERPRET=1 on tiny tensors (a smoke run: its GB/s mean nothing).
 """
@@ -25,9 +25,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def kernel_bandwidth(dtype: torch.dtype, n: int, repeats: int, configs=None, device: str = "cuda") -> dict:
     """GB/s of the bare Triton gelu forward and backward (bits mode) on n elements, and of a plain
     copy moving the forward's bytes (2 n element_size). `configs`: {"forward": Config, "backward":
-    Config}, default invact._triton.CONFIGS."""
-    from invact import _triton
-    from invact.activations import ACTIVATIONS
+    Config}, default invact.activation._triton.CONFIGS."""
+    from invact.activation import _triton
+    from invact.activation.activations import ACTIVATIONS
 
     configs = configs or _triton.CONFIGS
     gelu = ACTIVATIONS["gelu"]
@@ -55,7 +55,7 @@ def kernel_bandwidth(dtype: torch.dtype, n: int, repeats: int, configs=None, dev
 
 
 def sweep(dtype: torch.dtype, n: int, repeats: int, blocks, warps, device: str) -> list[dict]:
-    from invact._triton import Config
+    from invact.activation._triton import Config
 
     rows = []
     for block, num_warps in itertools.product(blocks, warps):
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.elements < 1:
         parser.error("--repeats and --elements must be positive")
     try:
-        from invact import _triton
+        from invact.activation import _triton
     except ImportError:
         parser.error("triton is not installed")
     for block, num_warps in itertools.product(args.blocks, args.warps):

@@ -57,9 +57,10 @@ try:
     import numba
     import numpy as np
 
-    from invact import _lookup  # noqa: F401
-    from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
-    from invact._cpu_math import f32_at, u8_at  # noqa: F401
+    from invact.activation import _lookup  # noqa: F401
+    from invact.activation._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors  # noqa: F401
+    from invact.activation._cpu_math import unpack_bits  # noqa: F401
+    from invact.activation._cpu_math import f32_at, u8_at  # noqa: F401
 except ImportError:  # without numba, invact's CPU backward is its portable torch path: no numba view
     numba = None
 

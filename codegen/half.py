@@ -5,7 +5,7 @@ family: the 'floor' forms at lower degree, fitting/families/floor.py); an activa
 evaluates its default family's q in every dtype. The torch and Triton views print that family's
 branches as q16_left and q16_right, or alias them to q_left and q_right; the numba view prints
 q16_left_scalar and q16_right_scalar and a backward16_kernel from them (one plain loop: no near tables
-or far-piece blocks), or nothing, where invact._numba keeps the fp32 kernel.
+or far-piece blocks), or nothing, where invact.activation._numba keeps the fp32 kernel.
 
 The 16-bit functions print log as `_log16`, a log without libdevice's special cases, in fewer
 instructions (an sm_90 Triton kernel: about 13 per element against tl.log's 25). For a positive normal
@@ -135,7 +135,7 @@ class Triton16Printer(TritonPrinter):
 
 def numba16_view(c16: CoeffFile) -> str:
     """The numba view's 16-bit part: q16 per branch as fp32 scalar functions, _log16_32, and
-    backward16_kernel, which invact._numba calls for bf16 and fp16 y."""
+    backward16_kernel, which invact.activation._numba calls for bf16 and fp16 y."""
     note = f"16-bit y (family {c16.family!r}): "
     functions = q_functions(c16, Scalar16Printer(), "_scalar", stem="q16", note=note)
     kernel = NUMBA16_MONOTONE if c16.monotone else NUMBA16_TWO_BRANCHES

@@ -147,9 +147,9 @@ def render_modules(entries: dict[str, spec.Entry], sources: list[tuple[str, str]
     names = list(groups)
     fnames = [g[0].functional for g in groups.values()]
     modules = f'''{header(sources)}"""The torch-compatible InvAct module classes, one per class of the
-activation spec: each selects its activation from its arguments and is an invact.modules.InvAct."""
+activation spec: each selects its activation from its arguments and is an invact.activation.modules.InvAct."""
 
-from invact.modules import InvAct, select  # noqa: F401
+from invact.activation.modules import InvAct, select  # noqa: F401
 
 __all__ = {names!r}
 
@@ -160,8 +160,8 @@ arguments, the same values as torch's function, InvAct's memory footprint."""
 
 import torch
 
-from invact.modules import select  # noqa: F401
-from invact.ops import invact
+from invact.activation.modules import select  # noqa: F401
+from invact.activation.ops import invact
 
 __all__ = {fnames!r}
 

@@ -1,4 +1,4 @@
-"""The near tables printed into `<act>_cpu.py` (and `--emit` modules), which invact._lookup reads.
+"""The near tables printed into `<act>_cpu.py` (and `--emit` modules), which invact.activation._lookup reads.
 
 Where both branches' near pieces are polynomials in affine maps of one g = sqrt(max(e1, y + a) + e2)
 (the floor family's), each branch's g from 0 to its split is cut into n + 1 entries, and entry j
@@ -26,7 +26,7 @@ import sympy
 from codegen import spec
 
 # Per instruction set, the entries one lookup instruction reads (the two branches' entries together;
-# invact._lookup.LOOKUPS, checked equal by tests/codegen) and the highest degree worth a table. The
+# invact.activation._lookup.LOOKUPS, checked equal by tests/codegen) and the highest degree worth a table. The
 # entries are split between the branches where the degree that meets NEAR_TABLE_BOUND on both is lowest.
 NEAR_TABLE_LOOKUPS = {"avx512": 32, "avx2": 8}
 # A lookup and a multiply-add per coefficient, where the polynomial in g (degree 14 for the floor fits)
@@ -187,8 +187,8 @@ def sqrt_of_clamped_shift(g: sympy.Expr) -> tuple[float, float, float] | None:
 
 
 def near_table(forms: dict[str, tuple], splits: dict[str, sympy.Expr]) -> tuple[str, list[str]] | None:
-    """The constants invact._lookup.near_table takes, printed, with the instruction sets that have a
-    table; None without any. `forms[branch]`: (g, scale, shift, coefficients in t, lowest degree
+    """The constants invact.activation._lookup.near_table takes, printed, with the instruction sets that have
+    a table; None without any. `forms[branch]`: (g, scale, shift, coefficients in t, lowest degree
     first), the near piece being sum_k c_k t^k with t = scale g + shift, the same g for both branches;
     `splits[branch]`: the y where the branch's far piece takes over. A table only where g has the
     floor family's shape and a degree up to NEAR_TABLE_MAX_DEGREE meets NEAR_TABLE_BOUND (elsewhere
@@ -207,9 +207,9 @@ def near_table(forms: dict[str, tuple], splits: dict[str, sympy.Expr]) -> tuple[
         return None
     e1, a, e2 = shape
     return (
-        f"""# The near pieces again, as tables for CPUs with AVX-512 or AVX2 (invact._lookup says how the
-# kernel reads them): each branch's g from 0 to its split in n + 1 entries; entry j holds the near
-# piece on k g in [j - 1/2, j + 1/2] (k g = n at the split) as a polynomial in u = k g - j (its
+        f"""# The near pieces again, as tables for CPUs with AVX-512 or AVX2 (invact.activation._lookup says
+# how the kernel reads them): each branch's g from 0 to its split in n + 1 entries; entry j holds the
+# near piece on k g in [j - 1/2, j + 1/2] (k g = n at the split) as a polynomial in u = k g - j (its
 # Chebyshev series, cut).
 NEAR_TABLE_G = ({e1!r}, {a!r}, {e2!r})  # g = sqrt(max(e1, y + a) + e2)
 {"".join(tables.values())}""",

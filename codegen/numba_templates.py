@@ -2,7 +2,7 @@
 coefficient file and prints after the scalar functions into every `<act>_cpu.py` and --emit module."""
 
 # The numba backward kernel, printed after the scalar functions into every <name>_cpu.py and --emit
-# module (its comment below says why at module level); invact._numba calls it.
+# module (its comment below says why at module level); invact.activation._numba calls it.
 NUMBA_COMMON = """
 
 # The backward kernel: dx = dy * q(y, bit) in fp32, compiled by numba from the functions above and
@@ -169,12 +169,12 @@ _LANES_{ISA} = _lookup.LANES["{isa}"]  # elements per block of the {isa} kernels
 @numba.njit(inline="always", fastmath=_FASTMATH)
 def _table_span_{isa}(y, flags, dy, dx, packed):  # pragma: no cover - runs compiled
     """_backward_span by NEAR_TABLE_{ISA}, block by block of _LANES_{ISA} elements: the near pieces of a
-    block in one call of _near_block_{isa} (invact._lookup), which returns its far notes. A block with
-    notes is listed without a branch (its start and notes written, the count moved by one if it has
+    block in one call of _near_block_{isa} (invact.activation._lookup), which returns its far notes. A block
+    with notes is listed without a branch (its start and notes written, the count moved by one if it has
     any), and the list's far pieces run when it is full and at the end (_far_pieces). The near pieces'
     loop is bound by its chains' latency, so a branch mispredicted on a noted block cost it most of a
     block (measured on Zen 4, AVX2, N(0, 1) inputs: 0.16 ns per element where the far pieces took
-    0.05). The bits: see invact._lookup.branch_word. Inlined into one function per `packed`, a
+    0.05). The bits: see invact.activation._lookup.branch_word. Inlined into one function per `packed`, a
     constant there: with both paths in one loop, LLVM kept the table's registers on the stack
     (measured slower)."""
     n = y.size
@@ -238,11 +238,11 @@ def table_kernel_bits_{isa}(y, bits, dy, dx):  # pragma: no cover - runs compile
         lo, hi = p * _SPAN, min(y.size, (p + 1) * _SPAN)
         _table_span_bits_{isa}(y[lo:hi], bits[lo // 8 : (hi + 7) // 8], dy[lo:hi], dx[lo:hi])
 '''
-# After the table kernels: which kernel invact._numba calls.
+# After the table kernels: which kernel invact.activation._numba calls.
 NUMBA_TABLE_CHOICE = """
 
 polynomial_kernel, polynomial_kernel_bits = backward_kernel, backward_kernel_bits
-# The table kernels by the instruction set they need; what invact._numba calls is the one for the
+# The table kernels by the instruction set they need; what invact.activation._numba calls is the one for the
 # instruction set numba compiles for, or the polynomial in g without one.
 TABLE_KERNELS = {{
 {kernels}

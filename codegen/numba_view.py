@@ -186,7 +186,7 @@ def _numba_kernel(c: CoeffFile, has_split: dict[str, bool]) -> str:
 
 
 # What the numba view calls: sources of every file holding one.
-CPU_RUNTIME = (RUNTIME / "_cpu_math.py", RUNTIME / "_lookup.py")
+CPU_RUNTIME = (RUNTIME / "activation" / "_cpu_math.py", RUNTIME / "activation" / "_lookup.py")
 
 
 def cpu_runtime_sources() -> list[tuple[str, str]]:
@@ -209,7 +209,9 @@ def render_cpu(c: CoeffFile, sources: list[tuple[str, str]], c16: CoeffFile | No
     title += " and the backward kernel compiled from them"
     title += f"; q16 from family {c16.family!r} for 16-bit y." if c16 else "."
     sixteen = numba16_view(c16) if c16 else ""
-    imports16 = "from invact._cpu_math import _f32_as_i32, _i32_as_f32  # noqa: F401\n" if c16 else ""
+    imports16 = (
+        "from invact.activation._cpu_math import _f32_as_i32, _i32_as_f32  # noqa: F401\n" if c16 else ""
+    )
     return f'''{header(sources)}"""{title}"""
 
 import math  # noqa: F401
@@ -217,9 +219,10 @@ import math  # noqa: F401
 import numba
 import numpy as np
 
-from invact import _lookup  # noqa: F401
-from invact._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors, unpack_bits  # noqa: F401
-from invact._cpu_math import f32_at, u8_at  # noqa: F401
+from invact.activation import _lookup  # noqa: F401
+from invact.activation._cpu_math import F, exp32, expm1_32, log32, prefer_512_bit_vectors  # noqa: F401
+from invact.activation._cpu_math import unpack_bits  # noqa: F401
+from invact.activation._cpu_math import f32_at, u8_at  # noqa: F401
 {imports16}
 
 {numba_view(c)}{sixteen}'''

@@ -167,11 +167,12 @@ class ReferenceTorchPrinter(TorchPrinter):
 
 
 class ScalarPrinter(_ElementwisePrinter):
-    """fp32 scalar code for numba: literals typed F(...) (np.float32), exp/log from invact._cpu_math,
-    whose versions vectorize (libm's do not)."""
+    """fp32 scalar code for numba: literals typed F(...) (np.float32), exp/log from
+    invact.activation._cpu_math, whose versions vectorize (libm's do not)."""
 
     SQRT, EXP, LOG, ABS = "math.sqrt", "exp32", "log32", "abs"
-    FUNCTIONS = {"expm1": "expm1_32({})"}  # invact._cpu_math's: no cancellation near 0 (sqrtsoftplus's q)
+    # invact.activation._cpu_math's expm1_32: no cancellation near 0 (sqrtsoftplus's q)
+    FUNCTIONS = {"expm1": "expm1_32({})"}
 
     def _literal(self, text: str) -> str:
         return f"F({text})"

@@ -5,7 +5,7 @@ element instead of their input, and compute the gradient from the output with a 
 approximation of f'(f^-1(y)). Imports torch alone; uses triton (CUDA) and numba (fast CPU
 backward) when installed.
 
-`InvAct(activation, mode)` serves any generated activation (invact.activations.ACTIVATIONS); the
+`InvAct(activation, mode)` serves any generated activation (invact.activation.activations.ACTIVATIONS); the
 torch-compatible classes (one per module class of the activation spec, printed into
 invact/_generated/modules.py) take torch's constructor arguments.
 """
@@ -14,9 +14,9 @@ from invact import functional, memory
 from invact._generated import modules as _generated_modules
 from invact._generated.modules import *  # noqa: F403 - the torch-compatible classes
 from invact._traced import tag_compile_cache
+from invact.activation.modules import InvAct
+from invact.activation.ops import backend_for
 from invact.loader import load_activation
-from invact.modules import InvAct
-from invact.ops import backend_for
 from invact.patch import patch, plan
 
 __version__ = "0.1.0"

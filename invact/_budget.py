@@ -27,8 +27,8 @@ _transforms_active = torch._C._are_functorch_transforms_active
 def traces_custom_ops() -> bool:
     """Dynamo is tracing and invact's custom ops go into the graph: neither a torch.func transform
     (whose grad and vmap cannot differentiate a custom op's registered autograd in torch 2.13: see
-    invact.ops.invact) nor an activation memory budget is active. Where this is False under compile,
-    each op kind traces torch's own ops (or its module's forward) instead."""
+    invact.activation.ops.invact) nor an activation memory budget is active. Where this is False under
+    compile, each op kind traces torch's own ops (or its module's forward) instead."""
     return torch.compiler.is_compiling() and not (_transforms_active() or budgeted())
 
 

@@ -9,6 +9,6 @@ lowest mantissa bit of y itself (y within 1 ulp of torch's, no extra bytes).
 
 from invact._generated import functional as _generated_functional
 from invact._generated.functional import *  # noqa: F403 - the generated functional forms
-from invact.ops import invact
+from invact.activation.ops import invact
 
 __all__ = ["invact", *_generated_functional.__all__]

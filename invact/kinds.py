@@ -1,8 +1,9 @@
 """What patch() and plan() ask of an op kind, and what every kind's home shares.
 
-An op kind (the activation, the MLP, the norm, the loss) lives in one module, its home: what finds
-its modules (by formula or structure), the decision for each with its reason, the replacement, its
-custom ops and its kernels per backend (or the modules those kernels live in, named for the kind).
+An op kind (the activation, the MLP, the norm, the loss) lives in one package, its home
+(invact/<kind>/): what finds its modules (by formula or structure), the decision for each with its
+reason, the replacement, its custom ops and its kernels per backend. The finder and the decision are
+its __init__.py; the rest sits in modules beside it (docs/how-it-works.md, "Layout", lists them).
 Each home exposes `KIND`, a Kind; invact.patch lists them in order and loops: plan() asks each kind
 in turn to decide (a later kind may refine what an earlier one decided: the MLP's gated hooks follow
 the activations replaced), patch() then asks each in turn to apply the plan. A home imports this
@@ -33,7 +34,7 @@ class Decision:
     reason: str
     saved_bytes: int | None = None  # the activation's own saving: gated products are in gated_bytes
     # The module patch() hooks so that nothing it runs saves a copy of a gated product act(g) * u
-    # (invact.gated): the activation's parent, "" for the model itself; None where nothing is hooked
+    # (invact.mlp.gated): the activation's parent, "" for the model itself; None where nothing is hooked
     # (gated=False, not replaced, or measured to hold no such product).
     gated: str | None = None
     # Measured with example inputs (else None): the bytes the hook saves beyond the activation's own

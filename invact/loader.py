@@ -3,7 +3,7 @@
 
 The emitted file is Python that invact-fit printed from your expression and fit: loading it imports
 (runs) it, as any import does, so load only files you made or trust. It is checked to be an emitted
-module before its activation is added to invact.activations.ACTIVATIONS for this process.
+module before its activation is added to invact.activation.activations.ACTIVATIONS for this process.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from invact.activations import Activation, register
-from invact.modules import InvAct
+from invact.activation.activations import Activation, register
+from invact.activation.modules import InvAct
 
 EMITTED_FORMAT = 2  # the layout codegen.emitted.render_emitted prints
 # Formats this loader reads: 1 differs only in importing numba unconditionally (its numba view is there).

@@ -114,7 +114,7 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
             self._storages[storage._cdata] = (storage, str(t.dtype).removeprefix("torch."))
         return t
 
-    # It returns the tensor itself: invact.gated's hooks, nested inside, hand it what they keep, so
+    # It returns the tensor itself: invact.mlp.gated's hooks, nested inside, hand it what they keep, so
     # a gated product recomputed in backward is (correctly) not counted.
     _pack._invact_observer = True
 

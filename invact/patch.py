@@ -113,7 +113,7 @@ def patch(
     `gated` (default True): also hook the module holding each InvAct activation (its parent: the MLP)
     so that nothing in it saves a copy of a gated product act(g) * u (the down projection's input, be
     it nn.Linear, PEFT's LoRA layer or a functional call in MoE experts): it is recomputed from the y
-    and u the multiply saves (invact.gated). With `example_inputs`, only modules where such a product
+    and u the multiply saves (invact.mlp.gated). With `example_inputs`, only modules where such a product
     is measured are hooked (plan()'s Decision.gated). gated=False keeps the activation-only behaviour.
 
     Each module is changed in place (invact.identity): the same object, still an instance of its

@@ -9,7 +9,7 @@ Each saved storage is attributed to the module whose forward was running when it
 stack kept by forward pre/post hooks), grouped by kind: attention, MLP activations, gated products
 act(g) * u, the rest of the MLP, norms, other; an activation's output counts with the activation
 wherever it is saved (in eager mode the multiply or the next Linear saves it, not the activation).
-Inside a module patch() hooks for gated products (invact.gated) the tensors reach the counter only
+Inside a module patch() hooks for gated products (invact.mlp.gated) the tensors reach the counter only
 when the module returns; a saved-tensor hook stacked above the gated one on each module inside
 notes where each was saved, so they are attributed as eager ones are.
 
@@ -39,10 +39,10 @@ from torch.overrides import TorchFunctionMode
 import invact
 from invact import kinds
 from invact.activation import REPLACEABLE, SKIPPED, _is_activation_like
-from invact.gated import multiply
+from invact.activation.modules import InvAct
 from invact.loss import output_head
 from invact.memory import count_saved
-from invact.modules import InvAct
+from invact.mlp.gated import multiply
 
 # dtype names the planner takes -> torch dtype
 DTYPES: dict[str, torch.dtype] = {
@@ -266,7 +266,7 @@ def _is_activation(module: nn.Module) -> bool:
 class _Attributed(count_saved):
     """count_saved that also attributes each counted storage to a kind (KINDS) by where it was first
     saved. Forward hooks on every module keep the stack of modules running. Where a module's
-    saved-tensor hooks are not this counter's (invact.gated's, which hand tensors over at the hooked
+    saved-tensor hooks are not this counter's (invact.mlp.gated's, which hand tensors over at the hooked
     module's return), each module inside stacks a hook above them that notes where each tensor was
     saved and passes it on."""
 
@@ -305,7 +305,7 @@ class _Attributed(count_saved):
     def _before(self, module, args) -> None:  # runs before every other pre-hook of the module
         self.top_before.append(self._top())
 
-    def _enter(self, module, args) -> None:  # runs after the module's other pre-hooks (invact.gated's)
+    def _enter(self, module, args) -> None:  # runs after the module's other pre-hooks (invact.mlp.gated's)
         self.stack.append(module)
         before, top = self.top_before[-1], self._top()
         hooks = None

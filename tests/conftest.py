@@ -24,6 +24,6 @@ def pytest_collection_modifyitems(config, items):
 def portable(monkeypatch):
     """Eager runs the torch ops a compiled graph runs (invact._traced: the ops' bodies), not numba's CPU
     kernels, which round otherwise: eager and aot_eager are then comparable bit for bit."""
-    from invact import _numba
+    from invact.activation import _numba
 
     monkeypatch.setattr(_numba, "available", lambda: False)

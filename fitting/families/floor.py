@@ -149,7 +149,7 @@ def _last_y_beyond(y: Numeric, excess: Numeric, goal: float = GOAL) -> float:
 # The CPU kernel's cost model (invact/_generated/<act>_cpu.py, _backward_span): every element pays
 # its branch's near piece; a block of BLOCK elements pays a far piece when one of them lies beyond the
 # split. Costs are in Horner steps (one fused multiply-add over a vector). The far piece's own
-# transform, exp or log (~25 steps each in invact/_cpu_math.py) plus a sqrt and its pass over the
+# transform, exp or log (~25 steps each in invact/activation/_cpu_math.py) plus a sqrt and its pass over the
 # block, counts FAR_STEPS more: measured on a 2-core AMD EPYC (AVX-512), in-cache per element, a log
 # cost 3.6x and an exp 2.8x a degree-8 Horner polynomial. The kernel now evaluates both branches'
 # near pieces as one polynomial of the larger degree with per-element coefficients, so an element

@@ -5,8 +5,8 @@ arguments, the same values as torch's function, InvAct's memory footprint."""
 
 import torch
 
-from invact.modules import select  # noqa: F401
-from invact.ops import invact
+from invact.activation.modules import select  # noqa: F401
+from invact.activation.ops import invact
 
 __all__ = ['celu', 'elu', 'gelu', 'gelu_10', 'hardswish', 'laplace', 'leaky_relu', 'mish', 'quick_gelu', 'relu2', 'relu6', 'selu', 'silu', 'softplus', 'sqrtsoftplus']
 

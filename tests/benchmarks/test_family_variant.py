@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from invact._float64 import derivative_from_output
-from invact.activations import ACTIVATIONS
+from invact.activation._float64 import derivative_from_output
+from invact.activation.activations import ACTIVATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

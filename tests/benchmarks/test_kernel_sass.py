@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 
 pytest.importorskip("triton")
 

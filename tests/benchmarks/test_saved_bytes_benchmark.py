@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32_BYTES = 4

@@ -50,7 +50,8 @@ def _source_line(path) -> str:
 
 def test_headers_name_the_sources_and_their_sha256():
     spec = _source_line(ROOT / "coeffs" / "activations.json")
-    cpu_runtime = [_source_line(ROOT / "invact" / name) for name in ("_cpu_math.py", "_lookup.py")]
+    runtime = ROOT / "invact" / "activation"
+    cpu_runtime = [_source_line(runtime / name) for name in ("_cpu_math.py", "_lookup.py")]
     for path in DEFAULT_FILES:
         # every module prints the 16-bit q from its family's file too; the torch and Triton modules
         # print views of the spec entry, and the numba one names the runtime code its cached kernels
@@ -166,7 +167,7 @@ def _shared_near_function(left: sympy.Expr, right: sympy.Expr):
     source = _shared_near(left, right, ScalarPrinter())
     if source is None:
         return None
-    from invact._cpu_math import F, exp32, expm1_32, log32  # noqa: F401  (names the source uses)
+    from invact.activation._cpu_math import F, exp32, expm1_32, log32  # noqa: F401  (names the source uses)
 
     namespace = {"math": math, "F": F, "exp32": exp32, "log32": log32, "expm1_32": expm1_32}
     exec(compile(source, "q_near_scalar", "exec"), namespace)  # our own printed code, not user input
@@ -196,9 +197,9 @@ def test_no_shared_near_polynomial_without_a_common_variable():
 
 def test_the_tables_fill_the_lookups_the_runtime_reads():
     """codegen sizes each instruction set's near table by the entries of its lookup instruction, which
-    invact._lookup emits: the two must agree."""
+    invact.activation._lookup emits: the two must agree."""
     pytest.importorskip("numba")
     from codegen.near_tables import NEAR_TABLE_LOOKUPS
-    from invact import _lookup
+    from invact.activation import _lookup
 
     assert NEAR_TABLE_LOOKUPS == _lookup.LOOKUPS

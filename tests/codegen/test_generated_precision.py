@@ -75,8 +75,8 @@ FLOAT64_ROUNDING = 1e-13
 
 
 def _table_in_float64(cpu, isa: str, y: np.ndarray, left: bool) -> np.ndarray:
-    """NEAR_TABLE_<ISA> evaluated as invact._lookup.near_table does, in float64: entry j = k g rounded,
-    u = k g - j."""
+    """NEAR_TABLE_<ISA> evaluated as invact.activation._lookup.near_table does, in float64: entry j = k g
+    rounded, u = k g - j."""
     e1, a, e2 = cpu.NEAR_TABLE_G
     g = np.sqrt(np.maximum(y + a, e1) + e2)
     k = getattr(cpu, f"NEAR_TABLE_{isa.upper()}_SCALE")[0 if left else 1]
@@ -105,7 +105,7 @@ def test_kernel_near_table_stays_within_the_recorded_error(name, branch, isa):
     """The table kernel itself (where the CPU runs it) with dy = 1 on the near pieces' points: the fp32
     bound of the polynomial it stands for holds."""
     pytest.importorskip("numba")
-    from invact import _lookup
+    from invact.activation import _lookup
 
     if not _lookup.runs(isa):
         pytest.skip(f"numba does not compile for {isa} here")

@@ -11,8 +11,8 @@ import torch
 from fitting.activations import ACTIVATIONS as FITTING
 from fitting.evaluate import branch_y_range
 from fitting.targets import target
-from invact._float64 import derivative_from_output
-from invact.activations import ACTIVATIONS as RUNTIME
+from invact.activation._float64 import derivative_from_output
+from invact.activation.activations import ACTIVATIONS as RUNTIME
 
 NAMES = sorted(FITTING)
 X = np.concatenate([np.linspace(-30.0, 30.0, 6001), [-0.75, -1.28, 1e-3, -1e-3, 100.0, 1e4]])

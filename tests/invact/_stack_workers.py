@@ -118,7 +118,7 @@ def _recording(ops: set, traced: set | None = None):
 
 def no_numba() -> None:
     """Route InvAct's CPU backward to the generated torch functions (as test_functional does)."""
-    from invact import _numba
+    from invact.activation import _numba
 
     _numba.available = lambda: False
 

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("numba")
 
-from invact import _bits, _lookup, _portable  # noqa: E402
-from invact.activations import ACTIVATIONS  # noqa: E402
+from invact.activation import _bits, _lookup, _portable  # noqa: E402
+from invact.activation.activations import ACTIVATIONS  # noqa: E402
 
 # The activations whose kernel skips far pieces: the floor family's two-branch forms (codegen prints
 # the block loops, with _BLOCK, where a branch's far piece alone calls exp or log).
@@ -142,9 +142,10 @@ KERNEL_KINDS = {
 
 @pytest.mark.parametrize("kind", [k for k, names in KERNEL_KINDS.items() if names])
 def test_backward_span_asks_for_512_bit_vectors(kind):
-    """_backward_span carries "prefer-vector-width"="512" (invact._cpu_math.prefer_512_bit_vectors),
-    and on an AVX-512 host compiles to zmm registers: LLVM's Intel tunings would otherwise pick 256-bit
-    ones. Compiled afresh, without numba's cache (cached code cannot be inspected)."""
+    """_backward_span carries "prefer-vector-width"="512"
+    (invact.activation._cpu_math.prefer_512_bit_vectors), and on an AVX-512 host compiles to zmm registers:
+    LLVM's Intel tunings would otherwise pick 256-bit ones. Compiled afresh, without numba's cache (cached
+    code cannot be inspected)."""
     import numba
 
     act = ACTIVATIONS[KERNEL_KINDS[kind][0]]

@@ -5,9 +5,9 @@ import torch
 
 pytest.importorskip("numba")
 
-from invact import _bits, _numba  # noqa: E402
-from invact._bits import is_left  # noqa: E402
-from invact.activations import ACTIVATIONS  # noqa: E402
+from invact.activation import _bits, _numba  # noqa: E402
+from invact.activation._bits import is_left  # noqa: E402
+from invact.activation.activations import ACTIVATIONS  # noqa: E402
 
 T = ACTIVATIONS["gelu"].threshold
 SPAN = _numba._kernels()._SPAN
@@ -34,7 +34,7 @@ def test_pack_less_matches_the_mask_then_pack(n):
 def test_unpack_bits_matches_torchs_unpack(n):
     import numpy as np
 
-    from invact._cpu_math import unpack_bits
+    from invact.activation._cpu_math import unpack_bits
 
     bits = _bits.pack(torch.rand(n) < 0.5)
     flags = np.empty(n, dtype=np.uint8)

@@ -7,7 +7,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from invact._cpu_math import exp32, expm1_32, log32  # noqa: E402
+from invact.activation._cpu_math import exp32, expm1_32, log32  # noqa: E402
 
 
 def _vectorized(fn, fastmath=False):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import invact
-from invact.activations import ACTIVATIONS
-from invact.ops import invact as invact_op
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.ops import invact as invact_op
 from tests.invact.test_functional import (
     HALF_LIMITS,
     _branch_masks,
@@ -109,7 +109,7 @@ def test_direct_launch_runs_the_kernel_tritons_launcher_picks(dtype, n, offset, 
     Triton that specializes on more would have it run a kernel compiled for other arguments."""
     import triton
 
-    from invact import _triton
+    from invact.activation import _triton
 
     act = ACTIVATIONS["gelu"]
     x = torch.randn(n + offset, device="cuda", dtype=dtype)[offset:]
@@ -185,7 +185,7 @@ def test_reduce_overhead_runs_a_patched_model_in_cuda_graphs():
 
 @pytest.mark.parametrize("transform", ["none", "scale", "softcap"])
 def test_loss_kernels_in_bf16_no_farther_from_float64_than_eager(transform):
-    """invact._loss_triton's passes on CUDA, bf16: the loss and gradients no farther from float64 than
+    """invact.loss._triton's passes on CUDA, bf16: the loss and gradients no farther from float64 than
     eager's (bf16 logits upcast, F.cross_entropy), within test_loss.py's fp32 slack."""
     import invact.loss as L
     from tests.invact.test_loss import (

@@ -1,4 +1,4 @@
-"""invact.experts: a MoE's experts under torch.compile run as invact::experts_linear and
+"""invact.mlp.experts: a MoE's experts under torch.compile run as invact::experts_linear and
 invact::experts_gated_down, which compute what transformers' grouped experts compute and save no
 gated product, so compile + patch() keeps what eager patch() keeps."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import invact
-from invact import experts
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from invact.memory import count_saved, inductor_partition, saved_tensors
+from invact.mlp import experts
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import invact
-from invact._float64 import derivative_from_output
-from invact.activations import ACTIVATIONS
-from invact.ops import invact as invact_op
+from invact.activation._float64 import derivative_from_output
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.ops import invact as invact_op
 
 NAMES = sorted(ACTIVATIONS)
 HALF = (torch.float16, torch.bfloat16)
@@ -335,7 +335,7 @@ def test_backend_override(monkeypatch):
 
 
 def test_numba_and_torch_op_backwards_agree(monkeypatch):
-    from invact import _numba
+    from invact.activation import _numba
 
     torch.manual_seed(1)
     x = torch.randn(10007) * 4  # 10% (mish) to 31% (gelu) of it in the left tails the numba kernel redoes

@@ -10,8 +10,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import invact
-from invact.gated import _product_node
 from invact.mlp import Forward, recompute_products
+from invact.mlp.gated import _product_node
 
 transformers = pytest.importorskip("transformers")
 
@@ -195,7 +195,7 @@ def test_gradients_against_torchs_within_the_familys_bound(label, dtype):
 
 def _mlp(hooked: bool = False):
     """A gated MLP. patch() runs it as invact.mlp's Function; `hooked`: its forward takes a second
-    (unused) argument, which invact.mlp does not recognise, so that invact.gated's hooks serve it."""
+    (unused) argument, which invact.mlp does not recognise, so that invact.mlp.gated's hooks serve it."""
 
     class MLP(nn.Module):
         def __init__(self):

@@ -12,9 +12,9 @@ from codegen.common import COEFFS
 from fitting.activations import get_activation
 from fitting.evaluate import FORMATS, dtype_eval_points
 from fitting.targets import target
-from invact import _bits, _numba, _portable
-from invact.activations import ACTIVATIONS
-from invact.ops import invact as invact_op
+from invact.activation import _bits, _numba, _portable
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.ops import invact as invact_op
 from tests.invact.test_functional import FP32_Q_ROUNDING
 
 SIXTEEN = sorted(json.loads((COEFFS / "defaults_16bit.json").read_text()))

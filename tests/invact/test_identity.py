@@ -15,9 +15,9 @@ from torch import nn
 
 import invact
 from invact import norm
+from invact.activation.modules import InvAct
 from invact.identity import original_class
 from invact.mlp import FusedMLP
-from invact.modules import InvAct
 from invact.norm import InvNorm
 from tests.invact.test_norm_patch import FP32_GRADIENT_REL
 

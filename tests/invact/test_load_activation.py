@@ -14,7 +14,7 @@ from codegen.emitted import EMITTED_FORMAT
 from fitting import activations as fitting_activations
 from fitting import cli
 from invact import loader
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from tests.invact.test_functional import FP32_Q_ROUNDING, _fp32_bound
 
 NAME = "swish_squared"

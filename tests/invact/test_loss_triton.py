@@ -1,4 +1,4 @@
-"""invact._loss_triton: the head + loss's one-pass kernels, run here under TRITON_INTERPRET=1 on CPU tensors
+"""invact.loss._triton: the head + loss's one-pass kernels, run here under TRITON_INTERPRET=1 on CPU tensors
 (INVACT_BACKEND=triton), held to test_loss.py's derived fp32 bound against float64, as the torch path
 is. 16-bit accuracy is judged on a GPU (test_cuda.py): the interpreter truncates fp32 -> bf16 casts."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import invact.loss as L
-from invact import _loss_triton
+from invact.loss import _triton as _loss_triton
 from tests.invact.test_loss import (
     HIDDEN,
     ROWS,

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import invact
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 
 NAMES = sorted(ACTIVATIONS)
 

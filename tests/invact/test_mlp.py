@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import invact
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.modules import InvAct
 from invact.memory import inductor_partition
 from invact.mlp import _MLP, Forward, Pattern, match
-from invact.modules import InvAct
 
 HIDDEN, INTERMEDIATE = 12, 24
 SHAPES = {"rows": (5, HIDDEN), "batch x seq": (2, 3, HIDDEN)}

@@ -326,7 +326,7 @@ def test_cpu_kernel_reads_and_rounds_bf16_as_torch_does(rows):
     """The fused CPU backward reads bf16 y and dy as their bits and writes a bf16 dx: the fp32 path's
     dx rounded to nearest even, bitwise torch's cast."""
     pytest.importorskip("numba")
-    from invact import _norm_cpu
+    from invact.norm import _cpu as _norm_cpu
 
     g = torch.Generator().manual_seed(0)
     d = 96
@@ -345,11 +345,11 @@ def _fused(kind: str):
     interpreter on CPU, see tests/conftest.py)."""
     if kind == "numba":
         pytest.importorskip("numba")
-        from invact import _norm_cpu
+        from invact.norm import _cpu as _norm_cpu
 
         return _norm_cpu.backward
     pytest.importorskip("triton")
-    from invact import _norm_triton
+    from invact.norm import _triton as _norm_triton
 
     return lambda y, dy, w, b, rstd, center: _norm_triton.backward(y, None, dy, w, b, rstd, center, 0)
 
@@ -396,7 +396,7 @@ def test_triton_backend_gives_the_cpu_backends_gradients(variant, dtype, monkeyp
     CPU under the interpreter), residuals included: its gradients within one bf16 ulp (the interpreter
     truncates casts where CPUs round) or fp32 rounding of the CPU backend's."""
     pytest.importorskip("triton")
-    from invact import _norm_triton
+    from invact.norm import _triton as _norm_triton
 
     d = 40
     m = _module(ONE_PER_VARIANT[variant], d).to(dtype)
@@ -437,7 +437,7 @@ def test_cpu_kernel_decodes_residuals_in_its_pass(rows):
     the kernel's own rounding bound (test_fused_backwards_within_fp32_rounding_of_the_formula): the
     two compiled loops may sum a row in different orders."""
     pytest.importorskip("numba")
-    from invact import _norm_cpu
+    from invact.norm import _cpu as _norm_cpu
 
     g = torch.Generator().manual_seed(rows)
     d = 96

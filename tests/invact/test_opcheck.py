@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import invact  # noqa: F401 - registers the ops
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from invact.norm import VARIANTS, invertible
 
 NAMES = sorted(ACTIVATIONS)
@@ -48,7 +48,7 @@ def test_gated_linear_ops(shape, bias):
 
 
 def test_experts_ops():
-    """A MoE's experts (invact.experts), routed rows (3, 0, 5, 2): one expert with none."""
+    """A MoE's experts (invact.mlp.experts), routed rows (3, 0, 5, 2): one expert with none."""
     torch.manual_seed(0)
     rows, hidden, k = (3, 0, 5, 2), 6, 8
     x = torch.randn(sum(rows), hidden, requires_grad=True)

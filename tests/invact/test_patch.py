@@ -10,7 +10,7 @@ from torch import nn
 
 import invact
 from invact.activation import REPLACEABLE, SKIPPED, module_for
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from tests.invact.test_memory_and_compile import saved_storages
 
 transformers = pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
 """invact's CPU kernels leave torch's thread count as the user set it, and run on it. numba's OpenMP
 threading layer shares the process's OpenMP runtime with torch, and starting it set torch's count to
-numba's (see invact._numba.keeps_torch_threads); it starts once per process, so each case runs in a
+numba's (see invact.activation._numba.keeps_torch_threads); it starts once per process, so each case runs in a
 fresh one."""
 
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-# Past invact._numba.SERIAL elements, where the kernels run in numba's parallel region.
+# Past invact.activation._numba.SERIAL elements, where the kernels run in numba's parallel region.
 SCRIPT = """
 import torch
 torch.set_num_threads(1)

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import invact
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 from tests.invact._stack_workers import BATCH, HIDDEN, MODES, global_batch, loss_fn, make_mlp
 from tests.invact.test_functional import _fp32_bound
 
@@ -430,7 +430,7 @@ def test_distributed_gloo(distributed_results, mode, monkeypatch):
     drop_x = lambda g: {k: v for k, v in g.items() if k != "x"}  # noqa: E731 - workers' input needs none
     # Against the patched model in one process on the global batch, with the workers' CPU kernel: the
     # same per-element products, summed in another order (two halves, then averaged): rounding only.
-    from invact import _numba
+    from invact.activation import _numba
 
     monkeypatch.setattr(_numba, "available", lambda: False)
     model = _patched_mlp()

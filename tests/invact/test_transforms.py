@@ -10,8 +10,8 @@ from torch import nn
 from torch.func import grad, jvp, vmap
 
 import invact
-from invact.activations import ACTIVATIONS
-from invact.ops import invact as invact_op
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.ops import invact as invact_op
 from tests.invact.test_functional import _fp32_bound
 
 NAMES = sorted(ACTIVATIONS)
@@ -98,8 +98,8 @@ def test_torchscript_calls_back_into_python():
 # -- torch.func under torch.compile ---------------------------------------------------------------------
 # torch 2.13 cannot differentiate a custom op's registered autograd, nor an autograd.Function, inside
 # torch.func's transforms under torch.compile (pytorch/pytorch#170834, #174067): there invact runs
-# torch's own ops (invact.ops.invact, invact.mlp.Forward, InvNorm.forward), so the compiled transform
-# gives torch's gradients, bitwise (aot_eager runs the same aten kernels), with no graph break
+# torch's own ops (invact.activation.ops.invact, invact.mlp.Forward, InvNorm.forward), so the compiled
+# transform gives torch's gradients, bitwise (aot_eager runs the same aten kernels), with no graph break
 # (fullgraph=True raises on one), and no saving.
 
 

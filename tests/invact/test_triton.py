@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from invact import _triton  # noqa: E402
-from invact._portable import backward as torch_backward  # noqa: E402
-from invact.activations import ACTIVATIONS  # noqa: E402
+from invact.activation import _triton  # noqa: E402
+from invact.activation._portable import backward as torch_backward  # noqa: E402
+from invact.activation.activations import ACTIVATIONS  # noqa: E402
 from tests.invact.test_functional import FP32_Q_ROUNDING  # noqa: E402
 
 NAMES = sorted(ACTIVATIONS)

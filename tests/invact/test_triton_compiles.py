@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
 
 pytest.importorskip("triton")
 
@@ -60,7 +60,7 @@ CASES = dict(
 
 
 def compile_case(kernel, name, dtype, precision_bit, target, integer, even, rows):
-    from invact import _triton
+    from invact.activation import _triton
 
     act = ACTIVATIONS[name]
     target = TARGETS[target]

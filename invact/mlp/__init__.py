@@ -1,6 +1,6 @@
 """The MLP's home: which modules patch() hooks or runs as one op (the parents of the activations it
 replaces), its decision (gated products measured by invact.activation's forward with example inputs),
-the replacement (`fuse`, and invact.gated's recompute hooks through `recompute_products`), and its
+the replacement (`fuse`, and invact.mlp.gated's recompute hooks through `recompute_products`), and its
 custom ops. An MLP block as one autograd Function, for the host time a small layer waits for.
 
 Three forwards are recognised, by the module's traced graph (torch.fx, one level deep), not by class
@@ -11,7 +11,7 @@ act an InvAct and the projections plain nn.Linear. `fuse` sets a Forward on such
 the projections, the activation and the multiply as one Function whose one Python node in backward
 replaces five autograd nodes (three for the plain form), and which saves what the modules save without
 the gated product h = y * u: x, y = act(g) with its bits, u, and the weights (h is recomputed in
-backward, as invact.gated's hooks recompute it, without their Python call per saved tensor). Measured on
+backward, as invact.mlp.gated's hooks recompute it, without their Python call per saved tensor). Measured on
 a 2-core Intel Xeon (AVX-512), 1 thread, benchmarks/host_time.py --rounds 41, forward + backward at
 batch 4 (torch's modules = 1): SwiGLU MLP 16-32-16 with the gated hooks 1.90x, as this Function 1.15x;
 the plain MLP 16-64-16 1.12x.
@@ -23,7 +23,7 @@ torch 2.13: for F.linear(x, W, b) on the rows x2 = x.reshape(-1, k), dx = dout2 
 (mm_mat2_backward's branch for the column-major W.t()), db = dout2 summed over rows; the multiply's
 dy = dh * u and du = dh * y; dx of the gated form the sum of its two projections' parts, as autograd
 adds them), so gradients are bitwise the unfused patched module's (tested in fp32 and bf16, 2-D and
-3-D inputs, with and without biases). dg = q(y, bit) dy as InvAct's own backward (invact.ops).
+3-D inputs, with and without biases). dg = q(y, bit) dy as InvAct's own backward (invact.activation.ops).
 
 Under autocast (float32 x and weights, cast for the projections as autocast casts nn.Linear's
 inputs) the Function runs the same casts in forward and keeps one cast copy of x (the modules keep
@@ -35,10 +35,10 @@ Under torch.compile the gated form runs its modules' projections and activation,
 the custom op invact::gated_linear; a fused gate_up (Phi-3's MLP, recognised too, with no eager
 Function) runs gate_up(x), then invact::gate_up_linear; the plain form runs the module's forward (the
 activation's op saves the y the down projection keeps). Both ops are defined below. A MoE's experts
-module runs invact.experts' ops under compile, and any other hooked gated module with three
+module runs invact.mlp.experts' ops under compile, and any other hooked gated module with three
 projections (T5's) a selective checkpoint that recomputes its product (Recomputed).
 
-A call the Function does not take runs the module's own forward (under invact.gated's recompute
+A call the Function does not take runs the module's own forward (under invact.mlp.gated's recompute
 hooks for the gated form): under torch.compile (above), inside
 torch.func transforms, under autocast of a dtype autocast does not cast, with keyword arguments,
 with hooks on a child or global module hooks, a child that is no longer a plain nn.Linear (PEFT's
@@ -59,15 +59,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from invact import _bits, experts, kinds
+from invact import kinds
 from invact._budget import _transforms_active, traces_custom_ops
 from invact._traced import as_ops, trace_as
-from invact.activations import ACTIVATIONS
-from invact.gated import _Hooks
+from invact.activation import _bits
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.modules import InvAct
+from invact.activation.ops import _eager_backends, _is_wrapped, plain_dx
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.modules import InvAct
-from invact.ops import _eager_backends, _is_wrapped, plain_dx
+from invact.mlp import experts
+from invact.mlp.gated import _Hooks
 
 log = logging.getLogger("invact")
 
@@ -80,7 +82,8 @@ class _MLP(torch.autograd.Function):
     no gate F.linear(act(F.linear(x, w_up, b_up)), w_down, b_down), for a contiguous x of 2 or 3
     dimensions, on its rows: F.linear runs a 3-D contiguous input as its rows too (addmm, or mm on
     the folded input without a bias), so every product is the kernel the modules run. Written in the
-    older style (forward takes ctx) for invact.ops._EagerPlain's reason: less host time per apply."""
+    older style (forward takes ctx) for invact.activation.ops._EagerPlain's reason: less host time per
+    apply."""
 
     @staticmethod
     def forward(ctx, x, x_again, w_up, b_up, w_gate, b_gate, w_down, b_down, act, precision_bit, up_first,
@@ -167,7 +170,7 @@ def _cast_back(grads: tuple, x_dtype: torch.dtype, w_dtype: torch.dtype) -> tupl
     return tuple(g if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
-# apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+# apply without autograd.Function.apply's Python layer (see invact.activation.ops._apply_plain)
 _apply = super(torch.autograd.Function, _MLP).apply
 
 
@@ -238,7 +241,7 @@ gated_linear.register_autograd(_gated_linear_autograd, setup_context=_gated_line
 def _gate_up_linear_impl(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          activation: str) -> torch.Tensor:  # fmt: skip
     """F.linear(act(g) * u, weight, bias) for g, u = gate_up.chunk(2, -1): gate_up (..., 2k), weight
-    (n, k), act torch's activation `activation` (a name in invact.activations.ACTIVATIONS)."""
+    (n, k), act torch's activation `activation` (a name in invact.activation.activations.ACTIVATIONS)."""
     g, u = gate_up.chunk(2, dim=-1)
     return F.linear(u * ACTIVATIONS[activation].torch_forward(g), weight, bias)
 
@@ -472,7 +475,7 @@ def _cast_for(down: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 class Forward:
     """The forward `fuse` sets on a recognised module (an instance attribute: nn.Module calls
-    self.forward). `hooks`: invact.gated's recompute hooks of a gated module, entered around its own
+    self.forward). `hooks`: invact.mlp.gated's recompute hooks of a gated module, entered around its own
     forward where the Function does not serve a call; None for the plain form."""
 
     def __init__(self, module: nn.Module, pattern: Pattern, hooks=None) -> None:
@@ -483,7 +486,8 @@ class Forward:
         if torch.compiler.is_compiling():
             if traces_custom_ops():
                 return self._traced(args, kwargs)
-            # under torch.func (see invact.ops.invact) or a memory budget (invact._budget): its modules
+            # under torch.func (see invact.activation.ops.invact) or a memory budget (invact._budget):
+            # its modules
             return type(module).forward(module, *args, **kwargs)
         if (
             len(args) == 1
@@ -597,7 +601,7 @@ class FusedMLP(nn.Module):
 def fuse(module: nn.Module, hooks=None, gated: bool = True) -> Pattern | None:
     """Set Forward as `module`'s forward where match() recognises it: the plain form always, the gated
     form only with `gated` (gated=False keeps the product saved, as the activation-only patch does),
-    with `hooks` (invact.gated's recompute hooks) for its calls the Function does not take. Returns the
+    with `hooks` (invact.mlp.gated's recompute hooks) for its calls the Function does not take. Returns the
     Pattern set, or None (nothing set: not recognised, fused already, or gated and not `gated`)."""
     pattern = match(module)
     if pattern is None or (pattern.gate is not None and not gated):
@@ -641,7 +645,7 @@ def _contexts():
 
 class Recomputed:
     """Under torch.compile, the gated hooks' counterpart for a gated module that neither `fuse` nor
-    invact.experts takes (T5's gated MLP: its product passes a dropout and a dtype check before the
+    invact.mlp.experts takes (T5's gated MLP: its product passes a dropout and a dtype check before the
     down projection, so its forward is no form `match` recognises): the module's forward as a
     selective checkpoint (torch.utils.checkpoint, use_reentrant=False) whose policy (_policy) saves
     invact's and the matrix products' outputs and recomputes the rest, the product among them. Without
@@ -684,7 +688,7 @@ def recompute_products(module: nn.Module) -> bool:
             module.register_forward_pre_hook(hooks.pre, with_kwargs=True),
             module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True),
         ]
-        if not experts.fuse(module):  # a MoE's experts: its compiled calls as invact.experts' ops
+        if not experts.fuse(module):  # a MoE's experts: its compiled calls as invact.mlp.experts' ops
             Recomputed.set(module)
     module._invact_recompute_products = True
     for act in module.modules():

@@ -15,7 +15,7 @@ What is recognised, by structure and not by class name: a tensor whose autograd 
 base's) is a multiply of which one operand is an InvAct output (any activation, either mode, either
 operand order, any u: nn.Linear's output, a chunk of a fused gate_up projection). Left alone: the
 product after dropout (T5's gated MLP in training: the next layer saves the dropped-out tensor), under
-torch.compile (there invact.mlp's custom ops serve the MLPs it recognises, invact.experts' ops a
+torch.compile (there invact.mlp's custom ops serve the MLPs it recognises, invact.mlp.experts' ops a
 MoE's experts, and invact.mlp.Recomputed's selective checkpoint any other gated module), and under
 outer saved-tensor hooks (activation checkpointing, CPU offload): inner hooks would replace theirs for
 the tensors saved inside the module, and checkpointing drops h anyway. The exception is an observer,
@@ -30,9 +30,9 @@ import operator
 
 import torch
 
+from invact.activation.modules import _CALLS
+from invact.activation.ops import _Eager, _EagerPlain
 from invact.memory import storage_id
-from invact.modules import _CALLS
-from invact.ops import _Eager, _EagerPlain
 
 # The autograd nodes of the eager InvAct functions (outside and inside torch.func transforms), and
 # the multiply's. Their Python classes are compared first: a type costs less to read than name(),

@@ -10,7 +10,7 @@ roundings of the exact one, as a sequential sum is), the sums over rows for dwei
 (of fp32 sums over blocks of BLOCK rows).
 Compiled with cache=True (numba's disk cache), on first use; imported by invact.norm only when a CPU
 backward runs and numba is installed. Up to SERIAL elements the serial kernel runs on the calling
-thread (no parallel region: see invact._numba).
+thread (no parallel region: see invact.activation._numba).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 from numba import types
 from numba.extending import overload
 
-from invact._cpu_math import _f32_as_i32, _i32_as_f32
-from invact._numba import SERIAL, keeps_torch_threads
+from invact.activation._cpu_math import _f32_as_i32, _i32_as_f32
+from invact.activation._numba import SERIAL, keeps_torch_threads
 
 _FAST = {"reassoc", "contract"}  # vectorized row sums and FMAs; no approximate division or functions
 BLOCK = 16  # rows whose dweight and dbias terms are summed in fp32 before the fp64 sums (_rows)

@@ -1,9 +1,9 @@
 """The numba kernels every activation shares: bit packing for the forward and precision-bit mode's
 one-pass bit setting (each activation's backward kernel unpacks its bits itself, span by span:
-invact._cpu_math.unpack_bits). Module-level functions with cache=True: numba compiles
+invact.activation._cpu_math.unpack_bits). Module-level functions with cache=True: numba compiles
 each once per machine and stores the machine code on disk (next to this file, or in its user-wide
 cache directory where that is not writable; NUMBA_CACHE_DIR overrides), and later processes load it
-instead of compiling. Imported by invact._numba on the first CPU call only (it imports numba).
+instead of compiling. Imported by invact.activation._numba on the first CPU call only (it imports numba).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from invact._cpu_math import f32_at, u8_at
+from invact.activation._cpu_math import f32_at, u8_at
 
 _CLEAR_LSB = np.int32(-2)  # all but the lowest bit; an int literal would be int64 (no vectorizing)
 
@@ -30,7 +30,7 @@ _SPAN = 2**16  # elements per thread's turn: whole bytes of bits (and a 64 KB fl
 @numba.njit(inline="always")
 def _pack(flags, words, out):  # pragma: no cover - runs compiled
     """out = `flags` (one 0/1 byte per element) packed LSB first, eight flags (one uint64 of `words`:
-    flags' whole 8-byte words, a view of a whole array as for invact._cpu_math.unpack_bits) into
+    flags' whole 8-byte words, a view of a whole array as for invact.activation._cpu_math.unpack_bits) into
     each byte by one multiply (loading eight strided elements per byte ran 8x slower)."""
     full = words.size
     for b in range(full):
@@ -110,10 +110,11 @@ def set_lsb_less(x, y_int, threshold):  # pragma: no cover - runs compiled
 
 @numba.njit(cache=True)
 def pack_less_serial_at(x, n, threshold, out):  # pragma: no cover - runs compiled
-    """pack_less on the calling thread for a small x (up to invact._numba.SERIAL elements), given by
-    addresses: x the n float32 at address x, out the (n + 7) // 8 bytes at address out (data_ptr()s
-    of contiguous tensors; invact._numba checks their dtype, layout and size). The flags of the last
-    byte's missing elements stay 0, eight flags (one uint64) go into each byte by one multiply."""
+    """pack_less on the calling thread for a small x (up to invact.activation._numba.SERIAL
+    elements), given by addresses: x the n float32 at address x, out the (n + 7) // 8 bytes at address
+    out (data_ptr()s of contiguous tensors; invact.activation._numba checks their dtype, layout and
+    size). The flags of the last byte's missing elements stay 0, eight flags (one uint64) go into each
+    byte by one multiply."""
     padded = (n + 7) // 8
     xs, dest = f32_at(x, n), u8_at(out, padded)
     flags = np.zeros(8 * padded, dtype=np.uint8)
@@ -126,6 +127,6 @@ def pack_less_serial_at(x, n, threshold, out):  # pragma: no cover - runs compil
 
 @numba.njit(cache=True)
 def set_lsb_less_serial(x, y_int, threshold):  # pragma: no cover - runs compiled
-    """set_lsb_less on the calling thread, for up to invact._numba.SERIAL elements."""
+    """set_lsb_less on the calling thread, for up to invact.activation._numba.SERIAL elements."""
     for i in range(x.size):
         y_int[i] = (y_int[i] & _CLEAR_LSB) | np.int32(x[i] < threshold)

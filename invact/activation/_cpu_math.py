@@ -152,7 +152,7 @@ _EXPM1_P = tuple(
 _EXPM1_LN2_HI, _EXPM1_LN2_LO = F(6.9313812256e-01), F(9.0580006145e-06)
 # 1.5 * 2^23: fp32 values from 2^23 to 2^24 are the integers, so x + ROUNDING (|x| < 2^22) rounds x to
 # the nearest integer, whose value sits in the sum's low mantissa bits (expm1_32's k; the near tables'
-# entry, invact._lookup, where a lookup reads its index from those bits).
+# entry, invact.activation._lookup, where a lookup reads its index from those bits).
 ROUNDING = F(12582912.0)
 _HALF_BITS = np.int32(126 << 23)  # the bits of 2^-1: 2^(k-1) is these plus k << 23
 

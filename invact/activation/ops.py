@@ -4,9 +4,10 @@ graph breaks) and autograd, and the eager autograd.Function that runs the same b
 
 Saved for backward: y (the output: the next layer saves the same storage) and ceil(n/8) bytes of
 bits, or nothing extra in precision-bit mode or for a monotone activation. Backends, one signature
-(invact/_portable.py): Triton (invact/_triton.py) for CUDA tensors, numba (invact/_numba.py) for CPU
-tensors when installed, the portable torch ops elsewhere; INVACT_BACKEND=torch|triton overrides.
-float64 takes the float64 backward (invact/_float64.py: inversion in float64), so gradcheck holds.
+(invact/activation/_portable.py): Triton (invact/activation/_triton.py) for CUDA tensors, numba
+(invact/activation/_numba.py) for CPU tensors when installed, the portable torch ops elsewhere;
+INVACT_BACKEND=torch|triton overrides.
+float64 takes the float64 backward (invact/activation/_float64.py: inversion in float64), so gradcheck holds.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from types import ModuleType
 
 import torch
 
-from invact import _bits, _float64, _numba, _portable
 from invact._budget import _transforms_active, traces_custom_ops
 from invact._layout import flat, like, shaped_like
 from invact._traced import trace_as
-from invact.activations import ACTIVATIONS, Activation
+from invact.activation import _bits, _float64, _numba, _portable
+from invact.activation.activations import ACTIVATIONS, Activation
 
 BACKENDS = ("torch", "triton")
 MODES = ("bits", "precision_bit")
@@ -60,7 +61,7 @@ def _backend(t: torch.Tensor, backward: bool) -> ModuleType:
     if t.dtype == torch.float64:
         return _float64 if backward else _portable
     if backend_for(t) == "triton":
-        from invact import _triton
+        from invact.activation import _triton
 
         return _triton
     return _numba if t.is_cpu and _numba.available() else _portable
@@ -144,7 +145,7 @@ def _backward_traced(dy, y, bits, activation: str, precision_bit: bool) -> torch
     return shaped_like(dx, y)
 
 
-# From this many elements a CPU activation stays the op (numba's kernels, invact/_numba.py) in a
+# From this many elements a CPU activation stays the op (numba's kernels, invact/activation/_numba.py) in a
 # compiled graph: inductor's code for the backward's body evaluates both branches' q for every element
 # where the kernel evaluates one from its tables, and the forward's packs the bits by an indexed read.
 # Measured on an Intel Xeon (AVX-512), 2 threads, speed.py --compile, compiled + patch() over compiled
@@ -156,8 +157,8 @@ CPU_BODY_MAX_ELEMENTS = 2**15
 
 def _body_here(t: torch.Tensor) -> bool:
     """Whether an activation op on tensors like t runs as its body in a compiled graph: not float64 (its
-    backward's Newton inversion reads values, invact._float64); on CPU only below CPU_BODY_MAX_ELEMENTS
-    (a symbolic size, under dynamic shapes, takes the body: no guard on it)."""
+    backward's Newton inversion reads values, invact.activation._float64); on CPU only below
+    CPU_BODY_MAX_ELEMENTS (a symbolic size, under dynamic shapes, takes the body: no guard on it)."""
     if t.dtype == torch.float64:
         return False
     n = t.numel()

@@ -50,11 +50,11 @@ from invact import kinds
 from invact._budget import _transforms_active, budgeted
 from invact._generated import norms as _spec
 from invact._traced import trace_as
+from invact.activation.ops import _backend_env_set, backend_for
 from invact.callers import inplace_use
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.memory import parameter_storages
-from invact.ops import _backend_env_set, backend_for
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -190,7 +190,7 @@ def encode_residual(pre: torch.Tensor, y: torch.Tensor, kernels: bool = True) ->
         and pre.dtype == torch.float32
         and _numba_available()
     ):
-        from invact import _norm_cpu
+        from invact.norm import _cpu as _norm_cpu
 
         return _norm_cpu.encode_bf16(pre.contiguous(), y.contiguous())  # the same bytes in one pass
     if y.dtype == torch.bfloat16:
@@ -262,12 +262,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_backend(t: torch.Tensor) -> bool:
-    """The activations' rule (invact.ops.backend_for): Triton for CUDA tensors, or INVACT_BACKEND."""
+    """The activations' rule (invact.activation.ops.backend_for): Triton for CUDA tensors, or
+    INVACT_BACKEND."""
     return backend_for(t) == "triton"
 
 
 def _numba_available() -> bool:
-    from invact import _numba
+    from invact.activation import _numba
 
     return _numba.available()
 
@@ -313,12 +314,12 @@ def _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v: Variant)
     """backward's one-pass kernels on y: Triton (CUDA, or INVACT_BACKEND=triton), which decodes bf16
     residuals itself, else numba on CPU. (dx, sum of dy h, sum of dy) over rows."""
     if _triton_backend(kept):
-        from invact import _norm_triton
+        from invact.norm import _triton as _norm_triton
 
         packed = residual if residual is not None and kept.dtype == torch.bfloat16 else None
         y = _rows(kept if residual is None or packed is not None else decode_residual(kept, residual))
         return _norm_triton.backward(y, packed, _rows(dy), weight, bias, rstd_c, v.center, v.offset)
-    from invact import _norm_cpu
+    from invact.norm import _cpu as _norm_cpu
 
     if residual is not None and kept.dtype == torch.bfloat16:  # decoded in the kernel's pass
         return _norm_cpu.backward(_rows(kept), _rows(dy), w_eff, bias, rstd_c, v.center, residual)
@@ -469,7 +470,7 @@ def _norm_backward(ctx, dy):
 _norm_backward_once = torch.autograd.function.once_differentiable(_norm_backward)
 
 
-# _Norm's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+# _Norm's apply without autograd.Function.apply's Python layer (see invact.activation.ops._apply_plain)
 _apply_norm = super(torch.autograd.Function, _Norm).apply
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 

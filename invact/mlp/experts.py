@@ -5,7 +5,7 @@ Hugging Face transformers (5.x) keeps a MoE layer's experts in one module with 3
 (experts, 2 k, hidden) and down_proj (experts, hidden, k), and by default ("grouped_mm") runs every
 routed (token, expert) pair at once: the pairs sorted by expert, gate_up = x_e gate_up_proj[e]^T per
 expert's rows, act(g) * u for g, u = gate_up.chunk(2, -1), then down_proj, the routing weights, the
-pairs summed per token. In eager mode invact.gated's hooks keep its product act(g) * u unsaved
+pairs summed per token. In eager mode invact.mlp.gated's hooks keep its product act(g) * u unsaved
 (recomputed in backward); under torch.compile hooks stand aside, and the partitioner saves the product
 for the down projection's weight gradient. This module takes such a module's compiled calls: the same
 steps, with the down projection and the product as the custom op invact::experts_gated_down, which
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from invact._budget import traces_custom_ops
-from invact.activations import ACTIVATIONS
-from invact.modules import InvAct
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.modules import InvAct
 
 
 def _groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -98,7 +98,7 @@ experts_linear.register_autograd(_linear_autograd, setup_context=_linear_setup)
 
 
 # gate_up (S, 2k) rows sorted by expert, weight (E, h, k): out[rows of e] = (act(g) * u) weight[e]^T for
-# g, u = gate_up.chunk(2, -1), act torch's activation `activation` (invact.activations.ACTIVATIONS)
+# g, u = gate_up.chunk(2, -1), act torch's activation `activation` (invact.activation.activations.ACTIVATIONS)
 def _gated_down_impl(gate_up: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      activation: str) -> torch.Tensor:  # fmt: skip
     g, u = gate_up.chunk(2, dim=-1)
@@ -188,7 +188,7 @@ def match(module: nn.Module) -> bool:
 class Forward:
     """The forward set on a matched experts module (an instance attribute): under torch.compile (not
     under torch.func or a memory budget: see invact.mlp.Forward) the ops above; otherwise, the
-    module's own forward (under invact.gated's hooks in eager mode)."""
+    module's own forward (under invact.mlp.gated's hooks in eager mode)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

@@ -1,7 +1,7 @@
 """The Triton backward of an inverted norm (invact.norm), for CUDA tensors: one program per block of
 rows reads y (bf16 y with its 4-bit residuals where the variant keeps them) and dy, writes dx, and
 sums dy h and dy over its rows into one row of a partial buffer, which torch sums over programs for
-dweight and dbias. The same math as the CPU kernel (invact/_norm_cpu.py): per row, with
+dweight and dbias. The same math as the CPU kernel (invact/norm/_cpu.py): per row, with
 h = (y - b) / w_eff (b / w_eff and 1 / w_eff made once per program) and g = dy w_eff,
     dx = rstd (g - [mean g] - h mean(g h))
 in fp32. The forward stays the replaced module's own torch ops (so y is its y on the GPU too). On CPU

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from invact import _bits
-from invact.activations import Activation
+from invact.activation import _bits
+from invact.activation.activations import Activation
 
 _MAX_ITER = 200
 _MAX_DOUBLINGS = 64  # of the upper end of a monotone bracket: from >= 1 to past 1.8e19

@@ -69,10 +69,10 @@ from torch import nn
 
 from invact import kinds
 from invact._traced import trace_as
+from invact.activation.ops import backend_for
 from invact.callers import forward_tree
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.ops import backend_for
 
 log = logging.getLogger("invact")
 
@@ -84,7 +84,7 @@ log = logging.getLogger("invact")
 # MiB, 0.60 s at 128 MiB, against 0.52 s eager. On CUDA (an H200, bf16, 4096 x 2048 x 128256, torch's
 # ops per block: benchmarks/results/gpu_quick_h200.json) 16, 64, 256 and 1024 MiB blocks took 85.5,
 # 32.6, 24.2 and 23.1 ms: launches per block dominate small blocks; 256 MiB is 16384 columns at 4096
-# rows, whose logits in bf16 (the one-pass kernels' only block buffer, invact._loss_triton) are an
+# rows, whose logits in bf16 (the one-pass kernels' only block buffer, invact.loss._triton) are an
 # eighth of eager's fp32 logits for a 128256-word vocabulary.
 BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 # The narrowest block: below it the matmuls get thin (rows x hidden x columns) and the per-block Python
@@ -126,10 +126,10 @@ def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
 
 
 def _kernels(h: torch.Tensor, bias, ops: tuple) -> bool:
-    """invact._loss_triton's one-pass kernels serve this call (CUDA, no bias, a transform they take)."""
+    """invact.loss._triton's one-pass kernels serve this call (CUDA, no bias, a transform they take)."""
     if bias is not None or backend_for(h) != "triton":
         return False
-    from invact import _loss_triton
+    from invact.loss import _triton as _loss_triton
 
     return _loss_triton.plan(ops) is not None
 
@@ -156,12 +156,12 @@ def _row_losses(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool 
 def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = True):
     """Per row of h, in fp32, a vocabulary block at a time: (the log-sum-exp of its transformed logits,
     the logit at its target, with label smoothing the sum of its logits (else None)). `kernels`:
-    invact._loss_triton's passes where they serve the call (False: torch ops only, a compiled graph's
+    invact.loss._triton's passes where they serve the call (False: torch ops only, a compiled graph's
     body)."""
     vocab = weight.shape[0]
     step = block_columns(h.shape[0], vocab, h.device)
     if kernels and _kernels(h, bias, ops):
-        from invact import _loss_triton
+        from invact.loss import _triton as _loss_triton
 
         n = h.shape[0]
         lse, picked = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(2))
@@ -272,9 +272,9 @@ def _block_logits(h, w, b):
 
 
 def _kernel_grad_blocks(grad, h, t, lse, weight, ops: tuple, smoothing: float, needs, logits, step: int):
-    """_grad_blocks by invact._loss_triton's backward pass: per block the logits (in the matmul dtype),
+    """_grad_blocks by invact.loss._triton's backward pass: per block the logits (in the matmul dtype),
     d written over them in one pass, then the two products."""
-    from invact import _loss_triton
+    from invact.loss import _triton as _loss_triton
 
     vocab = weight.shape[0]
     dw = torch.empty_like(weight) if needs[1] else None
@@ -442,7 +442,7 @@ def _op_backward_impl(
 def _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs, logits,
                       kernels: bool = False):  # fmt: skip
     """invact::linear_cross_entropy_backward's body, each block's logits computed by `logits`;
-    `kernels`: invact._loss_triton's passes where they serve (not in a compiled graph)."""
+    `kernels`: invact.loss._triton's passes where they serve (not in a compiled graph)."""
     # == where the forward has !=: in a compiled graph, not merged with the forward's mask, which the
     # partitioner would keep (a bool per row, from the int64 targets it keeps anyway)
     ignored = target == ignore_index
@@ -564,7 +564,8 @@ def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smo
     return _apply(hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean)
 
 
-# _LinearCrossEntropy's apply without autograd.Function.apply's Python layer (see invact.ops._apply_plain)
+# _LinearCrossEntropy's apply without autograd.Function.apply's Python layer (see
+# invact.activation.ops._apply_plain)
 _apply = super(torch.autograd.Function, _LinearCrossEntropy).apply
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 

@@ -1,12 +1,13 @@
 """The activation's home: which modules and function attributes patch() makes InvAct (by class and
 constructor arguments, printed from the activation spec into invact/_generated/), the decision for each
 with its reason (static rules, or measured by one forward with example inputs), and the replacement
-(in place: invact.identity). The op is invact.ops (custom ops and autograd), the module InvAct
-(invact.modules), the kernels per backend invact/_triton.py, invact/_numba.py and the portable torch
-ops (invact/_portable.py), each printed per activation into invact/_generated/.
+(in place: invact.identity). The op is invact.activation.ops (custom ops and autograd), the module InvAct
+(invact.activation.modules), the kernels per backend invact/activation/_triton.py, invact/activation/_numba.py
+and the portable torch ops (invact/activation/_portable.py), each printed per activation into
+invact/_generated/.
 
 With example inputs the one measuring forward also finds the gated products act(g) * u each
-activation's output is a factor of (invact.gated.multiply), for the MLP kind (invact.mlp) to decide
+activation's output is a factor of (invact.mlp.gated.multiply), for the MLP kind (invact.mlp) to decide
 which modules to hook: one forward serves both.
 """
 
@@ -23,14 +24,14 @@ from torch import nn
 
 from invact import _generated, kinds
 from invact._generated import modules as _classes
-from invact.activations import ACTIVATIONS
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.modules import InvAct
+from invact.activation.ops import check_mode
 from invact.callers import inplace_use
-from invact.gated import multiply
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.memory import parameter_storages
-from invact.modules import InvAct
-from invact.ops import check_mode
+from invact.mlp.gated import multiply
 
 # For a replaceable class or function: the activation (a name in ACTIVATIONS) an instance computes.
 Which = Callable[[object], str]
@@ -285,7 +286,7 @@ def _measured(
     would add, plus its output's bytes unless another op saves that storage anyway. Summed over the
     calls of one module (a shared module is decided once). With `gated`, also the gated products:
     storages saved by ops, all inside the activation's parent module, that are a multiply of the
-    activation's output by another tensor needing grad (what invact.gated recomputes)."""
+    activation's output by another tensor needing grad (what invact.mlp.gated recomputes)."""
     todo = {d.name: d for d in decisions if d.replace and not d.reason.startswith(ALREADY)}
     if not todo:
         return decisions
@@ -310,7 +311,7 @@ def _measured(
     products: dict[int, tuple[str, bool]] = {}  # storage -> (key, every save inside key's parent)
     outside: dict[int, int] = {}  # storage -> its saves outside activation calls
     parts: dict[int, list[tuple[int, set[int]]]] = {}  # storage -> (bytes, parents in progress) per
-    # save, outside activation calls, of a part of it (what invact.gated copies out if it is an
+    # save, outside activation calls, of a part of it (what invact.mlp.gated copies out if it is an
     # activation's input: u beside g in a fused gate_up output)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -427,7 +428,7 @@ def _measured(
                     reason=f"measured: replacing it would add {-saved - product} bytes: {_NO_GAIN}",
                 )
             else:
-                of = f" ({product} of them by the gated path, invact.gated)" if product else ""
+                of = f" ({product} of them by the gated path, invact.mlp.gated)" if product else ""
                 d = dataclasses.replace(d, saved_bytes=saved, gated_bytes=gated_bytes,
                                         gated=kinds.parent_name(d.name) if product else None,
                                         reason=f"measured: saves {saved + product} bytes{of} in the example "

@@ -1,7 +1,7 @@
 """The numba backend for CPU tensors: the backward, one kernel per activation compiled from its
 numba view (fp32 scalar functions, invact/_generated/<act>_cpu.py), and the forward's bit packing
 for float32 (one pass over x). Same signature as the other backends
-(invact/_portable.py).
+(invact/activation/_portable.py).
 Optional: without numba, CPU tensors take the portable backend (correct, ~15x slower than torch's own
 backward).
 
@@ -10,7 +10,7 @@ monotone activation) and dy, and writes dx in fp32 (the kernel is printed by cod
 `backward_kernel_bits` and `backward_kernel` in each numba view). For the floor family's forms it
 evaluates every element's near piece, and each branch's far piece (its exp or log) only on the
 elements past its split. Where numba compiles for AVX-512 or AVX2 the near pieces come by table
-lookup in registers (invact._lookup: on AVX-512 32 entries for both branches and 16 lanes, a
+lookup in registers (invact.activation._lookup: on AVX-512 32 entries for both branches and 16 lanes, a
 polynomial of degree 4 or less in each; on AVX2 8 entries and 8 lanes, degree 7 or less), each block
 reading its byte(s) of bits as they are and noting its far elements, whose pieces then run on a list;
 elsewhere one polynomial in g whose coefficients each element selects by its bit, each thread first
@@ -22,7 +22,7 @@ processes load them from numba's disk cache; benchmarks/speed.py reports both fi
 
 Up to SERIAL elements (one span) nothing runs in numba's parallel region: the backward calls the span
 function its parallel kernel would call once, and the forward's bits come from serial kernels
-(invact/_numba_kernels.py: pack_less_serial_at, called with the tensors' addresses, and
+(invact/activation/_numba_kernels.py: pack_less_serial_at, called with the tensors' addresses, and
 set_lsb_less_serial) or, for the rarer layouts, numpy. The bits and dx are the same, bit for bit.
 """
 
@@ -39,14 +39,14 @@ try:
 except ImportError:  # numba needs numpy: without it this backend is never chosen (available())
     np = None
 
-from invact import _bits, _portable
 from invact._layout import flat
-from invact.activations import SIXTEEN_BIT, Activation
+from invact.activation import _bits, _portable
+from invact.activation.activations import SIXTEEN_BIT, Activation
 
 # Elements up to which every call here runs on the calling thread, without numba's parallel region:
-# the kernels' span (_SPAN in invact/_numba_kernels.py and in each numba view), so up to it a parallel
-# kernel runs one span on one thread anyway, and the serial call leaves out only the region's fork and
-# join. On a small tensor those cost more than the work, and more where the machine is busy: measured on
+# the kernels' span (_SPAN in invact/activation/_numba_kernels.py and in each numba view), so up to it a
+# parallel kernel runs one span on one thread anyway, and the serial call leaves out only the region's fork
+# and join. On a small tensor those cost more than the work, and more where the machine is busy: measured on
 # a 2-core Intel Xeon (AVX-512) while another process kept one core busy, one activation's backward
 # kernel on 64 elements took 5.9 us at best and 96 us at the median through the parallel kernel, 0.67 us
 # through its serial span function; after a region numba's OpenMP worker spins on the other core, so
@@ -87,7 +87,7 @@ def available() -> bool:
 def _kernels():
     """The kernels every activation shares (imports numba, and loads them from numba's disk cache),
     about to run in parallel: on torch's thread count (_follow_torch_threads)."""
-    from invact import _numba_kernels
+    from invact.activation import _numba_kernels
 
     _follow_torch_threads()
     return _numba_kernels
@@ -256,7 +256,7 @@ class Kernels(NamedTuple):
 
 def kernels_of(act: Activation) -> Kernels:
     """find_kernels(act), looked up once per activation and kept in its instance dict (as a cached
-    property would keep it; invact.activations does not import this module: no import circle)."""
+    property would keep it; invact.activation.activations does not import this module: no import circle)."""
     kernels = act.__dict__.get("_numba_kernels")
     if kernels is None:
         kernels = act.__dict__["_numba_kernels"] = find_kernels(act)

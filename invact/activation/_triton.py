@@ -1,7 +1,7 @@
 """The Triton backend, for CUDA tensors: two kernels written once, into which the activation's Triton
 view (its forward and q_left/q_right device functions, invact/_generated/<name>_triton.py) comes
-as constexpr arguments. Same signature as the other backends (invact/_portable.py). Offsets are int64
-(tensors over 2^31 elements); masks handle any size. Forward: y = f(x) and the branch bits in one
+as constexpr arguments. Same signature as the other backends (invact/activation/_portable.py). Offsets are
+int64 (tensors over 2^31 elements); masks handle any size. Forward: y = f(x) and the branch bits in one
 pass; backward: unpack, q in fp32, times dy, stored in dy's dtype. On CPU tensors these run under
 TRITON_INTERPRET=1 (how CI tests them).
 """
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from invact._layout import flat, is_dense
-from invact.activations import SIXTEEN_BIT, Activation
+from invact.activation.activations import SIXTEEN_BIT, Activation
 
 BLOCK = 1024  # default elements per program (see Config)
 

@@ -32,7 +32,7 @@ from numba.core import cgutils, config
 from numba.core.errors import TypingError
 from numba.core.extending import intrinsic
 
-from invact._cpu_math import ROUNDING
+from invact.activation._cpu_math import ROUNDING
 
 # Table entries one lookup instruction reads, by the instruction set whose lookup it is, and the fp32
 # lanes of the vector it fills: a block (one 512-bit register on AVX-512, one 256-bit on AVX2; 16

@@ -1,5 +1,5 @@
 """The portable backend: forward and backward in torch ops and the generated torch functions, on any
-device and dtype. The backends share one signature (invact.ops chooses among them):
+device and dtype. The backends share one signature (invact.activation.ops chooses among them):
 
 - forward(act, x, precision_bit) -> (y, bits): y = torch's forward on x as given (same shape and
   strides), bits packed in x's storage order (uint8, ceil(n/8)), empty for a monotone activation or
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from invact import _bits
 from invact._layout import flat, like, shaped_like
-from invact.activations import SIXTEEN_BIT, Activation
+from invact.activation import _bits
+from invact.activation.activations import SIXTEEN_BIT, Activation
 
 
 def forward(

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from invact import _generated
-from invact.activations import ACTIVATIONS
-from invact.ops import check_mode, invact
+from invact.activation.activations import ACTIVATIONS
+from invact.activation.ops import check_mode, invact
 
 # module class -> ((activation, the constructor arguments that select it), ...)
 _CLASSES: dict[str, list[tuple[str, dict]]] = {}
@@ -41,7 +41,7 @@ def select(cls: str, **given) -> str:
 
 
 class _Calls(threading.local):
-    """The modules hooked by invact.gated whose calls are in progress in this thread (as saved-tensor
+    """The modules hooked by invact.mlp.gated whose calls are in progress in this thread (as saved-tensor
     hooks are: nn.DataParallel runs its replicas' forwards in threads), innermost last: each a scope
     whose `calls` list gets (x, y) of every InvAct module inside that records its calls."""
 
@@ -53,8 +53,8 @@ _CALLS = _Calls()
 
 
 class InvAct(nn.Module):
-    """y = f(x) for the activation `activation` (a name in invact.activations.ACTIVATIONS), saving y
-    and, unless f is monotone, one bit per element for backward instead of x. `mode`: "bits" (packed
+    """y = f(x) for the activation `activation` (a name in invact.activation.activations.ACTIVATIONS), saving
+    y and, unless f is monotone, one bit per element for backward instead of x. `mode`: "bits" (packed
     bits, ceil(n/8) bytes) or "precision_bit" (the bit in y's lowest mantissa bit: y within 1 ulp of
     torch's, no extra bytes). The torch-compatible classes are this with torch's
     constructor arguments."""
@@ -82,7 +82,7 @@ class InvAct(nn.Module):
     @torch.jit.ignore  # TorchScript calls back into Python: the op is an autograd.Function
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = invact(x, self.activation, self.mode)
-        # Recorded for invact.gated (see _invact_notes_calls), not while traced (no state touched);
+        # Recorded for invact.mlp.gated (see _invact_notes_calls), not while traced (no state touched);
         # getattr: under TorchScript self is a ScriptModule, without the class's attributes.
         if getattr(self, "_invact_notes_calls", False) and not torch.compiler.is_compiling():
             scopes = _CALLS.scopes
