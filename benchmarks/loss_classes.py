@@ -42,6 +42,7 @@ def decisions() -> dict[str, dict]:
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     import invact.loss as L
+    from invact.loss import source
 
     rows = {}
     with warnings.catch_warnings():
@@ -49,7 +50,8 @@ def decisions() -> dict[str, dict]:
         for name in class_names():
             cls = getattr(transformers, name)
             taken, reason = L.class_decision(cls)
-            before = L._class_loss_type(cls, LOSS_MAPPING) == "ForCausalLM" and L._labels_at(cls) is not None
+            causal = source._class_loss_type(cls, LOSS_MAPPING) == "ForCausalLM"
+            before = causal and source._labels_at(cls) is not None
             rows[name] = {"taken": taken, "reason": reason, "before": before}
     return rows
 

@@ -188,6 +188,7 @@ def test_loss_kernels_in_bf16_no_farther_from_float64_than_eager(transform):
     """invact.loss._triton's passes on CUDA, bf16: the loss and gradients no farther from float64 than
     eager's (bf16 logits upcast, F.cross_entropy), within test_loss.py's fp32 slack."""
     import invact.loss as L
+    from invact.loss import op as loss_op
     from tests.invact.test_loss import (
         HIDDEN,
         ROWS,
@@ -202,7 +203,7 @@ def test_loss_kernels_in_bf16_no_farther_from_float64_than_eager(transform):
 
     h, w, _, t = (x.cuda() if x is not None else None for x in _case(0))
     ops = TRANSFORMS[transform]
-    assert L._kernels(h, None, ops)
+    assert loss_op._kernels(h, None, ops)
     want = _run(lambda h, w: _eager(h, w, None, t, ops, 0.0, "mean"), (h, w), torch.float64)
     eager = _errors(_run(lambda h, w: _eager(h, w, None, t, ops, 0.0, "mean"), (h, w), torch.bfloat16), want)
     ours = _errors(_run(lambda h, w: L.linear_cross_entropy(h, w, t, ops=ops), (h, w), torch.bfloat16), want)

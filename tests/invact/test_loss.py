@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 import invact
 import invact.loss as L
+from invact.loss import op as loss_op
+from invact.loss import source as loss_source
 
 # Unit roundoff of fp32 (2^-24).
 U32 = 2.0**-24
@@ -77,8 +79,8 @@ def _errors(got, want):
 @pytest.fixture(params=["one block", "many blocks"])
 def blocks(request, monkeypatch):
     if request.param == "many blocks":  # 7 columns of 96 rows per block: 215 blocks, the last partial
-        monkeypatch.setattr(L, "BLOCK_BYTES", {"cpu": 7 * 4 * ROWS, "cuda": 7 * 4 * ROWS})
-        monkeypatch.setattr(L, "MIN_COLUMNS", 1)
+        monkeypatch.setattr(loss_op, "BLOCK_BYTES", {"cpu": 7 * 4 * ROWS, "cuda": 7 * 4 * ROWS})
+        monkeypatch.setattr(loss_op, "MIN_COLUMNS", 1)
     return request.param
 
 
@@ -125,7 +127,7 @@ def test_16bit_no_farther_from_float64_than_eager(blocks, transform, dtype, seed
 def test_one_block_without_smoothing_is_eagers_loss_bit_for_bit(bias, reduction):
     # one vocabulary block, fp32: F.cross_entropy's own forward and backward ops on the same logits
     h, w, b, t = _case(0)
-    assert L.block_columns(ROWS, VOCAB, h.device) >= VOCAB
+    assert loss_op.block_columns(ROWS, VOCAB, h.device) >= VOCAB
     tensors = (h, w, b if bias else None)
     want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, reduction), tensors, torch.float32)
     got = _run(
@@ -577,17 +579,17 @@ _CAP = ("cap",)
     ],
 )
 def test_the_steps_between_head_and_loss_are_read_or_refused(cls, steps):
-    assert L._steps(cls, "lm_head") == steps
+    assert loss_source._steps(cls, "lm_head") == steps
 
 
 def test_the_steps_are_read_from_the_models_settings_when_it_runs():
     model = _Softcapped()
-    steps = L._steps(_Softcapped, "lm_head")
-    assert L._ops(model, steps) == (("div", 30.0), ("tanh",), ("mul", 30.0), ("mul", 2.0))
+    steps = loss_source._steps(_Softcapped, "lm_head")
+    assert loss_source._ops(model, steps) == (("div", 30.0), ("tanh",), ("mul", 30.0), ("mul", 2.0))
     model.cap = None  # the guard: the soft-cap's steps drop out
-    assert L._ops(model, steps) == (("mul", 2.0),)
+    assert loss_source._ops(model, steps) == (("mul", 2.0),)
     model.cap = torch.tensor(30.0)  # not a number: no op can take it
-    assert L._ops(model, steps) is None
+    assert loss_source._ops(model, steps) is None
 
 
 class ClampedLlamaForCausalLM(transformers.LlamaForCausalLM):

@@ -16,6 +16,7 @@ import torch
 
 import invact
 import invact.loss as L
+from invact.loss import source as loss_source
 from tests.invact.test_loss import _families
 
 transformers = pytest.importorskip("transformers")
@@ -108,7 +109,8 @@ def test_the_class_decision_is_the_instances(label):
         model = _tiny()[label]()
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    assert L._class_loss_type(type(model), LOSS_MAPPING) == model.loss_type  # transformers' own naming
+    # transformers' own naming
+    assert loss_source._class_loss_type(type(model), LOSS_MAPPING) == model.loss_type
     (d,) = [d for d in invact.plan(model) if d.kind == "loss"]
     assert d.replace == L.class_decision(type(model))[0] is True, d.reason
 

@@ -9,6 +9,7 @@ import torch
 
 import invact.loss as L
 from invact.loss import _triton as _loss_triton
+from invact.loss import op as loss_op
 from tests.invact.test_loss import (
     HIDDEN,
     ROWS,
@@ -28,8 +29,8 @@ pytest.importorskip("triton")
 def kernels(request, monkeypatch):
     monkeypatch.setenv("INVACT_BACKEND", "triton")
     if request.param == "many blocks":  # 211 columns of 96 rows per block: 8 blocks, the last partial
-        monkeypatch.setattr(L, "BLOCK_BYTES", {"cpu": 211 * 4 * ROWS, "cuda": 211 * 4 * ROWS})
-        monkeypatch.setattr(L, "MIN_COLUMNS", 1)
+        monkeypatch.setattr(loss_op, "BLOCK_BYTES", {"cpu": 211 * 4 * ROWS, "cuda": 211 * 4 * ROWS})
+        monkeypatch.setattr(loss_op, "MIN_COLUMNS", 1)
     return request.param
 
 
@@ -43,7 +44,7 @@ CASES = [(transform, smoothing, "mean") for transform in sorted(TRANSFORMS) for 
 def test_fp32_within_the_derived_bound_of_float64(kernels, transform, smoothing, reduction):
     h, w, _, t = _case(0)
     ops = TRANSFORMS[transform]
-    assert L._kernels(h.float(), None, ops)  # the kernels serve these calls
+    assert loss_op._kernels(h.float(), None, ops)  # the kernels serve these calls
     want = _run(lambda h, w: _eager(h, w, None, t, ops, smoothing, reduction), (h, w), torch.float64)
     got = _run(
         lambda h, w: L.linear_cross_entropy(h, w, t, ops=ops, label_smoothing=smoothing, reduction=reduction),
@@ -80,4 +81,4 @@ def test_plan_takes_one_step_a_tanh_and_one_step(ops, taken):
 def test_a_head_with_a_bias_takes_the_torch_path(monkeypatch):
     monkeypatch.setenv("INVACT_BACKEND", "triton")
     h, _, b, _ = _case(0)
-    assert not L._kernels(h.float(), b.float(), ()) and L._kernels(h.float(), None, ())
+    assert not loss_op._kernels(h.float(), b.float(), ()) and loss_op._kernels(h.float(), None, ())
