@@ -65,3 +65,13 @@ def test_profile_of_the_compiled_step(small_run):
 def test_bad_arguments(flag):
     proc = _run("--device", "cpu", flag, "0", timeout=120)
     assert proc.returncode == 2 and f"{flag} must be positive" in proc.stderr
+
+
+def test_docs_quote_the_committed_step_ratios():
+    """docs/patching.md states the tiny Llama step's ratios (eager and compiled) of the committed
+    benchmarks/results/host_time_cpu.json, as `python benchmarks/host_time.py` printed them."""
+    data = json.loads((ROOT / "benchmarks" / "results" / "host_time_cpu.json").read_text())
+    ratios = {row["compiled"]: row["ratio"] for row in data["setups"] if row["kind"] == "step"}
+    text = " ".join((ROOT / "docs" / "patching.md").read_text().split())
+    assert f"`benchmarks/results/host_time_cpu.json`: {ratios[True]:.2f}x" in text
+    assert f"eager `patch()` {ratios[False]:.2f}x eager's" in text
