@@ -188,7 +188,7 @@ BLOCK_SWEEP = (16 * 2**20, 64 * 2**20, 256 * 2**20, 1024 * 2**20)
 
 def block_sweep(step, tokens: int, device: str, rounds: int) -> list[dict]:
     """invact's head + loss step at each of BLOCK_SWEEP's block sizes (median ms of `rounds`)."""
-    from invact import loss
+    from invact.loss import op as loss  # where block_columns reads BLOCK_BYTES
 
     kind = "cuda" if device == "cuda" else "cpu"
     before = loss.BLOCK_BYTES[kind]
