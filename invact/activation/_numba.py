@@ -328,6 +328,9 @@ def _backward_any(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torc
     the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a buffer that
     stays in cache). Up to one span (SERIAL) the span's serial function runs on this thread: the
     function the parallel kernel calls on its one span."""
+    if getattr(act.cpu, "backward_kernel", None) is None:
+        # an emitted activation whose numba view did not import (invact.loader warns): torch's ops
+        return _portable.backward(act, y, bits, dy, precision_bit)
     if y.numel() > SERIAL:  # the parallel kernels below
         _follow_torch_threads()
     y32 = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()

@@ -186,3 +186,26 @@ def test_loading_a_file_that_is_not_emitted(tmp_path):
     path.write_text("X = 1\n")
     with pytest.raises(ValueError, match="not a module printed by invact-fit --emit"):
         invact.load_activation(path)
+
+
+def test_a_file_whose_cpu_kernels_do_not_import_loads_with_a_warning(emitted, tmp_path):
+    """A file emitted by an older invact-fit names modules this invact has moved (invact._cpu_math before
+    the package-per-kind layout): its numba view's import fails inside the file, which still loads on
+    the portable CPU path; with numba installed the loader says so instead of running slower silently."""
+    pytest.importorskip("numba")
+    import re
+
+    text = emitted.read_text().replace("invact.activation._cpu_math", "invact._cpu_math")
+    text = re.sub(r"ACTIVATION = ['\"]swish_squared['\"]", "ACTIVATION = 'swish_squared_old'", text)
+    old = tmp_path / "swish_squared_old_invact.py"
+    old.write_text(text)
+    try:
+        with pytest.warns(UserWarning, match="its CPU kernels did not import"):
+            cls = invact.load_activation(old)
+        assert ACTIVATIONS["swish_squared_old"].emitted.numba is None
+        x = torch.randn(64, requires_grad=True)
+        cls()(x).sum().backward()  # the portable path still trains
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    finally:
+        ACTIVATIONS.pop("swish_squared_old", None)
+        loader._LOADED.clear()
