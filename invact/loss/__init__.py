@@ -40,7 +40,7 @@ from torch import nn
 from invact import kinds
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.loss.op import _loss, linear_cross_entropy
+from invact.loss.op import _as_rows, _loss, linear_cross_entropy
 from invact.loss.source import (
     _host,
     _labels_at,
@@ -266,9 +266,7 @@ class HeadLoss:
         if not (shift_labels.is_cpu and hidden.is_cpu):
             shift_labels = shift_labels.to(hidden.device)
         parameters = head._parameters  # nn.Module's __getattr__ finds them there, a Python call each
-        hidden, target = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1)
-        if target.shape[0] != hidden.shape[0]:
-            raise ValueError(f"{target.shape[0]} labels for {hidden.shape[0]} rows of hidden states")
+        hidden, target = _as_rows(hidden, shift_labels)
         loss = _loss(hidden, parameters["weight"], parameters.get("bias"), target, ops, ignore_index, 0.0,
                      num_items_in_batch is None, compiling)  # fmt: skip
         if num_items_in_batch is not None:  # reduction "sum", over the batch's count

@@ -504,12 +504,17 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    target = target.reshape(-1)
-    if target.shape[0] != hidden.shape[0]:
-        raise ValueError(f"{target.shape[0]} targets for {hidden.shape[0]} rows of hidden states")
+    hidden, target = _as_rows(hidden, target)
     return _loss(hidden, weight, bias, target, tuple(ops), ignore_index, float(label_smoothing),
                  reduction == "mean", torch.compiler.is_compiling())  # fmt: skip
+
+
+def _as_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden as rows (rows, in), target as (rows,)); ValueError where their counts differ."""
+    hidden, target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    if target.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{target.shape[0]} targets for {hidden.shape[0]} rows of hidden states")
+    return hidden, target
 
 
 def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smoothing: float, mean: bool,
