@@ -292,12 +292,12 @@ def _flags(y: torch.Tensor, bits: torch.Tensor, precision_bit: bool) -> np.ndarr
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
              ) -> torch.Tensor:  # fmt: skip
     """_backward_any, where fp32 y, dy and packed bits of one span run its serial function straight,
-    without keeps_torch_threads (nothing parallel runs there), given the tensors' addresses where the
-    view has that entry (no numpy array per argument): a small layer's cost is host time."""
+    without keeps_torch_threads (nothing parallel runs there), given the tensors' addresses (the table
+    views' span_bits_at: no numpy array per argument): a small layer's cost is host time."""
     kernels = act.__dict__.get("_numba_kernels")
     if (
         kernels is not None
-        and kernels.span_bits is not None
+        and kernels.span_bits_at is not None
         and not precision_bit
         and y.dtype is torch.float32
         and dy.dtype is torch.float32
@@ -310,11 +310,7 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
     ):
         dx = torch.empty_like(y)
         bits = bits.contiguous()
-        if kernels.span_bits_at is not None:
-            kernels.span_bits_at(y.data_ptr(), bits.data_ptr(), dy.data_ptr(), dx.data_ptr(), y.numel())
-            return dx
-        arrays = y.numpy().ravel(), dy.numpy().ravel(), dx.numpy().ravel()  # contiguous: views
-        kernels.span_bits(arrays[0], bits.numpy(), arrays[1], arrays[2])
+        kernels.span_bits_at(y.data_ptr(), bits.data_ptr(), dy.data_ptr(), dx.data_ptr(), y.numel())
         return dx
     return _backward_any(act, y, bits, dy, precision_bit)
 
