@@ -1,6 +1,6 @@
 """The loss's home: patch() and plan()'s decision for a model's head and loss (invact.loss.source reads
-it from the model's source), the replacement (LossHead, HeadLoss, PendingLogits, the forward hooks that
-arm them), and the op (invact.loss.op: linear_cross_entropy; its CUDA kernels in invact.loss._triton).
+it from the model's source), the replacement (LossHead, HeadLoss, PendingLogits, the forward that arms
+them), and the op (invact.loss.op: linear_cross_entropy; its CUDA kernels in invact.loss._triton).
 
 How a model uses it (patch(model, loss=True), invact.patch): its head (an nn.Linear that
 `get_output_embeddings()` returns) is patched in place (invact.identity). While the model runs a
@@ -346,6 +346,31 @@ def _disarm(model, args, kwargs, output):
     return output
 
 
+class _Armed:
+    """The forward take() sets on the module that takes the labels (an instance attribute, as
+    invact.mlp's Forward): _arm, the forward it had (its class's, or one set on the instance before),
+    then _disarm, also where the forward raises. In place of a forward pre-hook and hook: nn.Module
+    runs a module with hooks through _call_impl's slow path (a closure and loops over the hooks, about
+    20 us of a tiny Llama's eager step on an Intel Xeon). `__wrapped__`: the forward it wraps, so that
+    inspect.signature (transformers' Trainer reads it to pick the dataset's columns) sees its
+    arguments."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        inner = module.__dict__.get("forward")
+        self.__wrapped__ = inner if inner is not None else type(module).forward.__get__(module)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        _arm(module, args, kwargs)
+        output = None
+        try:
+            output = self.__wrapped__(*args, **kwargs)
+        finally:
+            output = _disarm(module, args, kwargs, output)
+        return output
+
+
 def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
     """(the qualified name of the model's head, whether patch() computes its loss from hidden states,
     why or why not); (None, False, why) for a model without a head. Decided by what the model computes,
@@ -389,14 +414,14 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
 
 
 def take(model: nn.Module, name: str) -> None:
-    """Patch the head `name` of `model` (head_of's) in place, and hook the module whose forward takes
-    the labels (_host: the model, or the one a wrapper wraps) so that a training forward with labels
+    """Patch the head `name` of `model` (head_of's) in place, and wrap the forward of the module that
+    takes the labels (_host: the model, or the one a wrapper wraps; _Armed) so that a training forward with labels
     computes its loss from hidden states (eager: PendingLogits; under
     torch.compile: HeadLoss, where the head's owner hands its output to its loss function through
     steps _steps reads).
     Idempotent."""
     head = model.get_submodule(name)
-    model, name = _host(model, name)  # the module whose forward takes the labels: it is hooked
+    model, name = _host(model, name)  # the module whose forward takes the labels: its forward is wrapped
     if isinstance(head, LossHead) and getattr(model, "_invact_loss_hooked", False):
         return
     swap(head, LossHead)
@@ -410,8 +435,7 @@ def take(model: nn.Module, name: str) -> None:
         head._invact_straight = True
         owner._loss_function = HeadLoss(head, owner.loss_function, owner, steps)
     model._invact_head_path = tuple(name.split("."))
-    model.register_forward_pre_hook(_arm, with_kwargs=True)
-    model.register_forward_hook(_disarm, with_kwargs=True, always_call=True)
+    model.forward = _Armed(model)
     model._invact_loss_hooked = True
 
 

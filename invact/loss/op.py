@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from invact._traced import trace_as
-from invact.activation.ops import backend_for
+from invact.activation.ops import backend_for, direct_backward
 
 log = logging.getLogger("invact")
 
@@ -303,6 +303,7 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
     return dh, dw, db
 
 
+@direct_backward
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over rows r with target[r] != ignore_index of cross_entropy(transform(hidden W^T + bias)),
     fp32, computed a vocabulary block at a time (the module docstring). Eager's path; under

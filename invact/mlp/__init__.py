@@ -65,7 +65,7 @@ from invact._traced import as_ops, trace_as
 from invact.activation import _bits
 from invact.activation.activations import ACTIVATIONS
 from invact.activation.modules import InvAct
-from invact.activation.ops import _eager_backends, _is_wrapped, plain_dx
+from invact.activation.ops import _eager_backends, _is_wrapped, direct_backward, plain_dx
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.mlp import experts
@@ -77,6 +77,7 @@ _MULTIPLY = (operator.mul, torch.mul, torch.Tensor.mul)
 _LEAF_PARAMETER = (nn.Parameter, torch.Tensor)  # not a tensor subclass (DTensor, a quantized weight)
 
 
+@direct_backward
 class _MLP(torch.autograd.Function):
     """F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down), or with
     no gate F.linear(act(F.linear(x, w_up, b_up)), w_down, b_down), for a contiguous x of 2 or 3

@@ -46,7 +46,7 @@ from torch import nn
 
 from invact._generated import norms as _spec
 from invact._traced import trace_as
-from invact.activation.ops import _backend_env_set, backend_for
+from invact.activation.ops import _backend_env_set, backend_for, direct_backward
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -415,6 +415,7 @@ def _rms_backward(dy, y, rstd, weight, v: Variant, x_dtype, needs):
     return dx, dw
 
 
+@direct_backward
 class _Norm(torch.autograd.Function):
     """y = the variant's norm of x; saves y (or x where `check` says h cannot be recovered from y),
     rstd (and mean when x is kept) and the parameters, which the module holds anyway."""

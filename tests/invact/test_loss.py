@@ -5,6 +5,7 @@ biased heads, softcapping, logit scales, the Trainer)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import pickle
 
@@ -364,6 +365,21 @@ def test_copies_and_pickles_keep_the_loss_path():
         out, got, _ = _step(other, input_ids=ids, labels=labels)
         assert out.logits is None and got == want
         assert vars(other)["_loss_function"].owner is other  # its steps read the copy's settings
+
+
+def test_the_patched_forward_keeps_its_signature_and_a_raising_call_disarms():
+    """Trainer reads inspect.signature(model.forward) to pick a dataset's columns; a forward that raises
+    leaves nothing armed, so the next call is a plain one."""
+    plain, patched = _pair("llama")
+    assert inspect.signature(patched.forward) == inspect.signature(plain.forward)
+    ids, labels = _inputs()
+    with pytest.raises(ValueError):  # the embedding's own error, raised inside the forward
+        patched(input_ids=ids, labels=labels, inputs_embeds=torch.zeros(3, 16, SIZES["hidden_size"]))
+    head = patched.get_output_embeddings()
+    assert head._invact_armed == 0 and not vars(patched).get("_invact_arms")
+    _, got, _ = _step(patched, input_ids=ids, labels=labels)
+    _, want, _ = _step(plain, input_ids=ids, labels=labels)
+    assert abs(got - want) <= HF_BOUND * abs(want)
 
 
 @pytest.mark.slow
