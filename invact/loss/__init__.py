@@ -415,8 +415,8 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
 
 def take(model: nn.Module, name: str) -> None:
     """Patch the head `name` of `model` (head_of's) in place, and wrap the forward of the module that
-    takes the labels (_host: the model, or the one a wrapper wraps; _Armed) so that a training forward with labels
-    computes its loss from hidden states (eager: PendingLogits; under
+    takes the labels (_host: the model, or the one a wrapper wraps; _Armed) so that a training forward
+    with labels computes its loss from hidden states (eager: PendingLogits; under
     torch.compile: HeadLoss, where the head's owner hands its output to its loss function through
     steps _steps reads).
     Idempotent."""
