@@ -68,8 +68,8 @@ def plan(
     `loss`: also one Decision (kind "loss") for a causal LM's head (invact.loss.head_of: a Hugging Face
     model whose loss is transformers' causal-LM loss and whose output embeddings are an nn.Linear),
     named for the head: replaced means a training forward with labels computes the loss from the
-    hidden state and the head's weight a vocabulary block at a time (no logits kept, `logits=None` in
-    its output). include/exclude do not apply to it."""
+    hidden state and the head's weight a vocabulary block at a time (no logits kept; its output's
+    `logits` computed on demand, invact.loss.PendingLogits). include/exclude do not apply to it."""
     return _plan(model, _options(include, exclude, mode, example_inputs, gated, norms, loss))
 
 

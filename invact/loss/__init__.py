@@ -23,8 +23,10 @@ training-mode forward with labels and gradients enabled:
   have (eager's tensor, on the autograd graph) and goes on with them. Under compile such a model
   computes its logits as eager does.
 
-Such a call returns `logits=None`: the logits of a training step with labels are not kept (ask for
-them with patch(loss=False), or in eval mode or without labels, where nothing changes).
+Such a call returns its logits on demand: eager's output holds a PendingLogits (the logits' shape and
+dtype, the head's input and weight, which the loss keeps anyway), which computes the logits where they
+are used (`.argmax`, any tensor op) as the model would have; under torch.compile `logits` is None (a
+compiled graph returns tensors). Eval mode and calls without labels are unchanged.
 """
 
 from __future__ import annotations
@@ -265,6 +267,8 @@ class HeadLoss:
                             "number; patch it again, or with loss=False")  # fmt: skip
         if not (shift_labels.is_cpu and hidden.is_cpu):
             shift_labels = shift_labels.to(hidden.device)
+        if not compiling:  # what _disarm returns as the logits, on demand (PendingLogits)
+            _keep(head, "_invact_output", (hidden, ops), compiling)
         parameters = head._parameters  # nn.Module's __getattr__ finds them there, a Python call each
         hidden, target = _as_rows(hidden, shift_labels)
         loss = _loss(hidden, parameters["weight"], parameters.get("bias"), target, ops, ignore_index, 0.0,
@@ -335,11 +339,19 @@ def _disarm(model, args, kwargs, output):
     compiling = torch.compiler.is_compiling()
     _keep(head, "_invact_armed", head._invact_armed - 1, compiling)
     _take(head, "_invact_hidden", compiling)  # kept under compile, no loss took it
-    standin = _take(head, "_invact_standin", compiling)  # under compile: the logits' stand-in (LossHead)
-    pending = (lambda v: v is standin) if standin is not None else (lambda v: isinstance(v, PendingLogits))
+    standin = _take(head, "_invact_standin", compiling)  # the logits' stand-in (LossHead)
+    if standin is None:  # eager's PendingLogits, where the model returned them: its logits on demand
+        return output
+    # eager: the logits on demand (HeadLoss kept the head's input and the transform); under compile
+    # None (a compiled graph returns tensors)
+    kept = _take(head, "_invact_output", compiling)
+    logits = None if kept is None else PendingLogits(kept[0], head.weight, head.bias, kept[1])
     if isinstance(output, tuple):
-        return tuple(None if pending(v) else v for v in output)
-    if pending(getattr(output, "logits", None)):
+        return tuple(logits if v is standin else v for v in output)
+    if getattr(output, "logits", None) is standin:
+        if logits is not None:
+            output["logits"] = logits
+            return output
         if isinstance(output, dict) and "logits" in output:  # a ModelOutput: as if built with logits=None
             (OrderedDict if isinstance(output, OrderedDict) else dict).__delitem__(output, "logits")
         object.__setattr__(output, "logits", None)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import invact
-from tests.invact.test_loss import _fp32_bound
+from tests.invact.test_loss import _fp32_bound, _on_demand
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,7 +209,7 @@ def test_a_vlm_step_with_an_image_takes_the_loss_and_matches_eager(label):
     invact.patch(patched)
     want_out, want_loss, want_grads = _step(plain, inputs)
     out, loss, grads = _step(patched, inputs)
-    assert out.logits is None and want_out.logits is not None
+    _on_demand(out, want_out, None)  # of eager's shape and dtype; the layers below differ in rounding
     vocab = plain.get_output_embeddings().weight.shape[0]
     bound = _fp32_bound(SEQ, TEXT["hidden_size"], vocab)  # the head's and the loss's sums, as test_loss
     assert abs(loss - want_loss) <= bound * abs(want_loss)
