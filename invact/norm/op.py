@@ -46,6 +46,7 @@ from torch import nn
 
 from invact._generated import norms as _spec
 from invact._traced import trace_as
+from invact.activation import _numba as _activation_numba
 from invact.activation.ops import _backend_env_set, backend_for, direct_backward
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -260,9 +261,7 @@ def _triton_backend(t: torch.Tensor) -> bool:
 
 
 def _numba_available() -> bool:
-    from invact.activation import _numba
-
-    return _numba.available()
+    return _activation_numba.available()
 
 
 def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs: tuple[bool, bool, bool],
@@ -280,7 +279,7 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
         dx, dw, db = _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v)
         return _cast_grads(dx if needs[0] else None, dw if needs[1] else None, db, dy, weight, bias, needs)
     if not from_x and residual is None and kept.dtype == cd and (bias is None or v.center):
-        return _lean_backward(dy, kept, rstd, weight, bias, v, cd, needs)  # the eager Function's (_lean)
+        return _lean_backward(dy, kept, rstd, weight, bias, v, cd, needs, kernels)  # the eager Function's (_lean)
     if from_x:  # exactly eager's h
         xc = _rows(kept.to(cd))
         h = (xc - _rows(mean.to(cd))) * rstd_c if v.center else xc * rstd_c
@@ -362,12 +361,12 @@ def _lean(y: torch.Tensor, weight, bias, v: Variant, pre) -> bool:
     )
 
 
-def _lean_backward(dy, y, rstd, weight, bias, v: Variant, x_dtype, needs):
+def _lean_backward(dy, y, rstd, weight, bias, v: Variant, x_dtype, needs, kernels: bool = True):
     """(dx, dweight, dbias) where the forward's _lean holds: _rms_backward, or for a LayerNorm
     backward's own formula (h = (y - b) / w_eff through native_layer_norm_backward with mean 0 and
     rstd 1, its dx times rstd) with less Python: a small norm's cost is its host time."""
     if not v.center:
-        return (*_rms_backward(dy, y, rstd, weight, v, x_dtype, needs), None)
+        return (*_rms_backward(dy, y, rstd, weight, v, x_dtype, needs, kernels), None)
     d = y.shape[-1]
     h, dy2 = y.reshape(-1, d), dy.reshape(-1, d)
     if dy2.dtype != h.dtype:
@@ -390,7 +389,20 @@ def _lean_backward(dy, y, rstd, weight, bias, v: Variant, x_dtype, needs):
     return dx, dw, db
 
 
-def _rms_backward(dy, y, rstd, weight, v: Variant, x_dtype, needs):
+def _small_kernels():
+    """invact.norm._cpu (numba), imported once."""
+    global _SMALL
+    if _SMALL is None:
+        from invact.norm import _cpu as _norm_cpu
+
+        _SMALL = _norm_cpu
+    return _SMALL
+
+
+_SMALL = None
+
+
+def _rms_backward(dy, y, rstd, weight, v: Variant, x_dtype, needs, kernels: bool = True):
     """(dx, dweight) of an RMSNorm from its output y = h w_eff in y's dtype (the forward's _lean): with
     g = dy w_eff, g h = dy y, so dx = rstd (g - h mean(dy y)) and dweight = sum over rows of dy y,
     over w_eff: seven ops, where backward's general formula takes nine, on y's own shape (no reshapes)
@@ -399,6 +411,21 @@ def _rms_backward(dy, y, rstd, weight, v: Variant, x_dtype, needs):
     weight, h = y and g = dy. rstd: one per row, as (rows, 1) or y's shape with a last dimension of 1."""
     if dy.dtype is not y.dtype:
         dy = dy.to(y.dtype)
+    if (
+        kernels
+        and y.dtype is torch.float32
+        and (weight is None or weight.dtype is torch.float32)
+        and rstd.dtype is torch.float32
+        and y.is_contiguous()
+        and dy.is_contiguous()
+        and rstd.is_contiguous()
+        and dy.numel() == y.numel()  # the kernel reads what the addresses hold: sizes checked here
+        and rstd.numel() * y.shape[-1] == y.numel()
+        and (weight is None or weight.numel() == y.shape[-1])
+        and _numba_available()
+    ):  # one numba pass on this thread: seven torch ops' host time (a small norm's whole cost) saved
+        dx, dw = _small_kernels().rms_backward_small(dy, y, rstd, weight, float(v.offset), needs[1])
+        return (dx if dx.dtype is x_dtype else dx.to(x_dtype)) if needs[0] else None, dw
     w_eff = _w_eff(weight, v, y.dtype)
     p = dy * y
     dx = dw = None

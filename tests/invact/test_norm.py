@@ -381,6 +381,41 @@ def test_fused_backwards_within_fp32_rounding_of_the_formula(kind, center, rows,
     assert ((db.double() - dy.double().sum(0)).abs() <= (2 + rows) * U32 * dy.double().abs().sum(0)).all()
 
 
+RMS_VARIANTS = sorted(n for n, v in VARIANTS.items() if not v.center)
+
+
+@pytest.mark.parametrize("variant", RMS_VARIANTS)
+@pytest.mark.parametrize("rows,d", [(3, 5), (32, 64)])
+def test_a_small_fp32_rms_norm_backpropagates_by_the_serial_kernel(variant, rows, d, monkeypatch):
+    """An fp32 RMSNorm below the parallel kernel's size runs its backward as one numba pass on the
+    calling thread (its host time is the norm's whole cost, seven torch ops otherwise): a patched
+    module's backward takes it, and its dx and dweight from y are within each fp32 operation's
+    rounding of the formula in float64, as the fused kernels' (the same row pass, _rows)."""
+    pytest.importorskip("numba")
+    from invact.norm import _cpu as _norm_cpu
+    from invact.norm.op import _rms_backward
+
+    calls = []
+    small = _norm_cpu.rms_backward_small
+    monkeypatch.setattr(_norm_cpu, "rms_backward_small", lambda *a: calls.append(a) or small(*a))
+    x = torch.randn(rows, d, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    _inverted(_module(ONE_PER_VARIANT[variant], d))(x).backward(torch.ones(rows, d))
+    assert len(calls) == 1  # the module's backward
+    g = torch.Generator().manual_seed(rows * d)
+    y, dy = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)
+    w, rstd = torch.rand(d, generator=g) + 0.5, torch.rand(rows, 1, generator=g) + 0.5
+    v = VARIANTS[variant]
+    dx, dw = _rms_backward(dy, y, rstd, w, v, torch.float32, (True, True))
+    assert len(calls) == 2
+    w_eff = w.double() + v.offset
+    h, gd = y.double() / w_eff, dy.double() * w_eff
+    want = rstd.double() * (gd - h * (gd * h).mean(-1, keepdim=True))
+    terms = gd.abs() + h.abs() * (gd * h).abs().mean(-1, keepdim=True)
+    assert ((dx.double() - want).abs() <= (4 + d) * U32 * rstd.double() * terms).all()
+    dw_terms = (dy.double() * h).abs().sum(0)
+    assert ((dw.double() - (dy.double() * h).sum(0)).abs() <= (4 + rows) * U32 * dw_terms).all()
+
+
 def test_cpu_weight_gradient_over_many_rows_no_farther_from_float64_than_torchs():
     """dweight sums dy h over every row: the CPU kernel sums over rows in fp64 (in fp32 its error was
     9.5x that of torch's own dweight at 16384 rows); measured 0.47-0.51x (benchmarks/rope_inversion.py,
