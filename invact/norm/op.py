@@ -279,7 +279,8 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
         dx, dw, db = _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v)
         return _cast_grads(dx if needs[0] else None, dw if needs[1] else None, db, dy, weight, bias, needs)
     if not from_x and residual is None and kept.dtype == cd and (bias is None or v.center):
-        return _lean_backward(dy, kept, rstd, weight, bias, v, cd, needs, kernels)  # the eager Function's (_lean)
+        # the eager Function's (_lean)
+        return _lean_backward(dy, kept, rstd, weight, bias, v, cd, needs, kernels)
     if from_x:  # exactly eager's h
         xc = _rows(kept.to(cd))
         h = (xc - _rows(mean.to(cd))) * rstd_c if v.center else xc * rstd_c
