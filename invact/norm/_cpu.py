@@ -168,39 +168,46 @@ def _encode_serial(pre, bits, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FAST)
-def _rms_serial_at(y_at, dy_at, w_at, rstd_at, dx_at, dw_at, rows, d, offset):  # pragma: no cover - compiled
-    """backward's serial pass for an RMSNorm's fp32 y and dy of `rows` rows of d, given by addresses
-    (data_ptr()s of contiguous tensors: no numpy array per argument), w_at the fp32 weight (0: none; its
-    effective weight + offset formed here, as invact.norm.op._w_eff forms it), rstd_at `rows` fp32;
-    writes dx (rows x d) at dx_at and, where dw_at is not 0, the d sums over rows of dy h there. The
-    same pass as backward's (_rows, its scale and shift formed as backward forms them in torch)."""
+def _serial_at(
+    y_at, dy_at, w_at, b_at, rstd_at, dx_at, dw_at, db_at, rows, d, offset, center
+):  # pragma: no cover - compiled; fmt: skip
+    """backward's serial pass for a norm's fp32 y and dy of `rows` rows of d, given by addresses
+    (data_ptr()s of contiguous tensors: no numpy array per argument): w_at the fp32 weight (0: none;
+    its effective weight + offset formed here, as invact.norm.op._w_eff forms it), b_at the fp32 bias
+    (0: none), rstd_at `rows` fp32; writes dx (rows x d) at dx_at and, where dw_at and db_at are not
+    0, the d sums over rows of dy h and of dy there. The same pass as backward's (_rows), its scale
+    and shift formed as backward forms them in torch."""
     y = f32_at(y_at, rows * d).reshape((rows, d))
     dy = f32_at(dy_at, rows * d).reshape((rows, d))
     dx = f32_at(dx_at, rows * d).reshape((rows, d))
     w_eff = np.ones(d, dtype=np.float32) if w_at == 0 else f32_at(w_at, d) + np.float32(offset)
-    scale = np.float32(1.0) / w_eff
+    scale = np.float32(1.0) / w_eff if w_at != 0 else w_eff
+    shift = np.zeros(d, dtype=np.float32) if b_at == 0 else f32_at(b_at, d) * scale
     acc = np.zeros((2, d), dtype=np.float64)
-    _rows(y, dy, scale, np.zeros(d, dtype=np.float32), w_eff, f32_at(rstd_at, rows), False, dx, acc, 0, rows,
-          None)  # fmt: skip
-    if dw_at != 0:
-        dw = f32_at(dw_at, d)
-        for j in range(d):
-            dw[j] = np.float32(acc[0, j])
+    _rows(y, dy, scale, shift, w_eff, f32_at(rstd_at, rows), center, dx, acc, 0, rows, None)
+    for at, k in ((dw_at, 0), (db_at, 1)):
+        if at != 0:
+            out = f32_at(at, d)
+            for j in range(d):
+                out[j] = np.float32(acc[k, j])
 
 
-def rms_backward_small(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, weight, offset: float,
-                       need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(dx in y's shape, dweight or None) of an RMSNorm from its fp32 output y, for contiguous fp32 y,
-    dy and rstd (one per row) and an fp32 weight or None, of at most invact.norm.op.NUMBA_MIN_ELEMENTS
-    elements: backward's pass on the calling thread (nothing parallel runs: no keeps_torch_threads),
-    its arguments by address. A small norm's cost is its host time: the torch formulas take seven ops
-    (invact.norm.op._rms_backward)."""
+def backward_small(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, weight, bias, offset: float,
+                   center: bool, want_w: bool, want_b: bool):  # fmt: skip
+    """(dx in y's shape, dweight where `want_w` else None, dbias where `want_b` else None) of a norm
+    from its fp32 output y, for contiguous fp32 y, dy and rstd (one per row) and an fp32 weight and bias
+    or None, of fewer than invact.norm.op.NUMBA_MIN_ELEMENTS elements: backward's pass on the calling
+    thread (nothing parallel runs: no keeps_torch_threads), its arguments by address. A small norm's
+    cost is its host time: the torch formulas take seven ops or more (invact.norm.op._rms_backward,
+    _lean_backward)."""
     d = y.shape[-1]
     dx = torch.empty_like(y)
-    dw = torch.empty(d) if need_dw and weight is not None else None
-    _rms_serial_at(y.data_ptr(), dy.data_ptr(), 0 if weight is None else weight.data_ptr(), rstd.data_ptr(),
-                   dx.data_ptr(), 0 if dw is None else dw.data_ptr(), y.numel() // d, d, offset)  # fmt: skip
-    return dx, dw
+    dw = torch.empty(d) if want_w else None
+    db = torch.empty(d) if want_b else None
+    address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    _serial_at(y.data_ptr(), dy.data_ptr(), address(weight), address(bias), rstd.data_ptr(), dx.data_ptr(),
+               address(dw), address(db), y.numel() // d, d, offset, center)  # fmt: skip
+    return dx, dw, db
 
 
 def _threads(elements: int) -> int:

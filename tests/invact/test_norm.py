@@ -381,39 +381,41 @@ def test_fused_backwards_within_fp32_rounding_of_the_formula(kind, center, rows,
     assert ((db.double() - dy.double().sum(0)).abs() <= (2 + rows) * U32 * dy.double().abs().sum(0)).all()
 
 
-RMS_VARIANTS = sorted(n for n, v in VARIANTS.items() if not v.center)
-
-
-@pytest.mark.parametrize("variant", RMS_VARIANTS)
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
 @pytest.mark.parametrize("rows,d", [(3, 5), (32, 64)])
-def test_a_small_fp32_rms_norm_backpropagates_by_the_serial_kernel(variant, rows, d, monkeypatch):
-    """An fp32 RMSNorm below the parallel kernel's size runs its backward as one numba pass on the
-    calling thread (its host time is the norm's whole cost, seven torch ops otherwise): a patched
-    module's backward takes it, and its dx and dweight from y are within each fp32 operation's
+def test_a_small_fp32_norm_backpropagates_by_the_serial_kernel(variant, rows, d, monkeypatch):
+    """An fp32 norm below the parallel kernel's size runs its backward as one numba pass on the calling
+    thread (its host time is the norm's whole cost, seven torch ops or more otherwise): a patched
+    module's backward takes it, and its dx, dweight and dbias from y are within each fp32 operation's
     rounding of the formula in float64, as the fused kernels' (the same row pass, _rows)."""
     pytest.importorskip("numba")
     from invact.norm import _cpu as _norm_cpu
-    from invact.norm.op import _rms_backward
 
     calls = []
-    small = _norm_cpu.rms_backward_small
-    monkeypatch.setattr(_norm_cpu, "rms_backward_small", lambda *a: calls.append(a) or small(*a))
+    small = _norm_cpu.backward_small
+    monkeypatch.setattr(_norm_cpu, "backward_small", lambda *a: calls.append(a) or small(*a))
+    monkeypatch.setattr(norm_op, "_SMALL", None)
+    m = _module(ONE_PER_VARIANT[variant], d)
     x = torch.randn(rows, d, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    _inverted(_module(ONE_PER_VARIANT[variant], d))(x).backward(torch.ones(rows, d))
+    _inverted(m)(x).backward(torch.ones(rows, d))
     assert len(calls) == 1  # the module's backward
     g = torch.Generator().manual_seed(rows * d)
     y, dy = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)
     w, rstd = torch.rand(d, generator=g) + 0.5, torch.rand(rows, 1, generator=g) + 0.5
     v = VARIANTS[variant]
-    dx, dw = _rms_backward(dy, y, rstd, w, v, torch.float32, (True, True))
+    b = torch.randn(d, generator=g) * 0.1 if getattr(m, "bias", None) is not None else None
+    dx, dw, db = norm_op._lean_backward(dy, y, rstd, w, b, v, torch.float32, (True, True, True))
     assert len(calls) == 2
     w_eff = w.double() + v.offset
-    h, gd = y.double() / w_eff, dy.double() * w_eff
-    want = rstd.double() * (gd - h * (gd * h).mean(-1, keepdim=True))
-    terms = gd.abs() + h.abs() * (gd * h).abs().mean(-1, keepdim=True)
+    h, gd = (y.double() - (0.0 if b is None else b.double())) / w_eff, dy.double() * w_eff
+    m_g = gd.mean(-1, keepdim=True) if v.center else 0.0
+    want = rstd.double() * (gd - m_g - h * (gd * h).mean(-1, keepdim=True))
+    terms = gd.abs() + gd.abs().mean(-1, keepdim=True) + h.abs() * (gd * h).abs().mean(-1, keepdim=True)
     assert ((dx.double() - want).abs() <= (4 + d) * U32 * rstd.double() * terms).all()
     dw_terms = (dy.double() * h).abs().sum(0)
     assert ((dw.double() - (dy.double() * h).sum(0)).abs() <= (4 + rows) * U32 * dw_terms).all()
+    if b is not None:
+        assert ((db.double() - dy.double().sum(0)).abs() <= (2 + rows) * U32 * dy.double().abs().sum(0)).all()
 
 
 def test_cpu_weight_gradient_over_many_rows_no_farther_from_float64_than_torchs():
