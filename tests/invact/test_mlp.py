@@ -13,7 +13,8 @@ import invact
 from invact.activation.activations import ACTIVATIONS
 from invact.activation.modules import InvAct
 from invact.memory import inductor_partition
-from invact.mlp import _MLP, Forward, Pattern, match
+from invact.mlp import Forward, Pattern, match
+from invact.mlp.op import _MLP
 
 HIDDEN, INTERMEDIATE = 12, 24
 SHAPES = {"rows": (5, HIDDEN), "batch x seq": (2, 3, HIDDEN)}
