@@ -10,19 +10,22 @@ import re
 import sys
 import textwrap
 
-from invact.planner import DTYPES, KINDS, PlanError
+from invact.planner import DEFAULT_IMAGE_SIDE, DTYPES, KINDS, PlanError
 
 ERROR_STATUS = 2  # bad input, as argparse's own usage errors
+_SIDE = DEFAULT_IMAGE_SIDE  # the default side of the images of a tower that takes any size
 
 _PLAN_DESCRIPTION = """\
-Build the model a Hugging Face config JSON describes (its causal-LM class, else its base model) on
-the meta device, with shapes only: no weights, nothing allocated, nothing downloaded. Run one
-training-mode forward of input_ids (batch, seq) (use_cache off; a causal LM also gets labels =
-input_ids, so its loss is computed as in a training step) under invact's saved-tensor counter, once
-eager and once after invact.patch(model), and print what each saves for backward, per kind of module
-and in total, with patch()'s decisions."""
+Build the model a Hugging Face config JSON describes (its image-text-to-text class where it has a
+vision tower, its sequence-to-sequence LM for an encoder-decoder, else its causal-LM class, else its
+base model) on the meta device, with shapes only: no weights, nothing allocated, nothing downloaded.
+Run one training-mode forward of input_ids (batch, seq) (use_cache off; a model whose forward takes
+labels also gets labels = input_ids, so its loss is computed as in a training step; a
+vision-language model also gets images) under invact's saved-tensor counter, once eager and once
+after invact.patch(model), and print what each saves for backward, per kind of module and in total,
+with patch()'s decisions."""
 
-_PLAN_EPILOG = """\
+_PLAN_EPILOG = f"""\
 What the figures are: bytes autograd saves for backward in one training forward, what a real forward
 of these shapes keeps for the backward pass, each storage once (a tensor saved by an activation and
 by the next Linear counts once), the model's parameters and buffers excluded. Not in them: the
@@ -47,9 +50,27 @@ mask and dropout: "flash" saves q, k, v, the output and a logsumexp (as CUDA's f
 "math" also the attention probabilities (batch x heads x seq x seq per layer; CPU picks it with
 attention dropout > 0, where CUDA's flash kernel would not). The output says which ran.
 
+Images: a config with a vision_config (Qwen2-VL, Qwen2.5-VL, Gemma 3, LLaVA, Idefics3, PaliGemma)
+builds its *ForConditionalGeneration class, and each sample carries --images images (default 1
+where invact plan builds the model's image inputs; --images 0 plans text only), square, at the
+tower's image_size (Gemma 3's SigLIP: 896 x 896), or for a tower that takes any size (Qwen2-VL,
+Qwen2.5-VL) --image-size pixels, default {_SIDE} x {_SIDE}: a (1, 32, 32) grid of 14-pixel patches, 256
+tokens after the 2 x 2 merge. An image takes as many tokens of --seq as its features have rows;
+each image's tokens, then one text token, start every sample, and the text tokens fill the rest.
+Idefics3/SmolVLM: an image is one tile at the tower's image_size (their processors split a large
+image into several: count tiles as images). The vision tower and the projector into the language
+model are their own rows ("vision: ..."), beside the language model's; the kinds add up to the
+total either way.
+
+Encoder-decoders (T5, BART: their sequence-to-sequence LM, head and loss included): the encoder gets
+input_ids (batch, seq) and the decoder labels (batch, seq), shifted right as the model does: both
+run seq tokens, with all-ones attention masks. --no-labels gives the decoder decoder_input_ids =
+input_ids.
+
 Exit status: 0, or 2 with one line on stderr for bad input: no such file, invalid JSON, a config
 transformers cannot build, a model whose forward cannot run on the meta device, a non-positive
-batch or seq, an unknown dtype."""
+batch or seq, an unknown dtype, --images for a model without a vision tower, images whose tokens
+do not fit in seq, an image size the tower does not take."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,6 +95,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="invact", description="invact: inverted activations for PyTorch training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -89,7 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                            "locally, nothing downloads")  # fmt: skip
     plan.add_argument("--batch", type=_positive, required=True, metavar="B",
                       help="batch size: input_ids are (B, S)")  # fmt: skip
-    plan.add_argument("--seq", type=_positive, required=True, metavar="S", help="sequence length, tokens")
+    plan.add_argument("--seq", type=_positive, required=True, metavar="S",
+                      help="sequence length, tokens: with images, their tokens and the text's together; an "
+                           "encoder-decoder's encoder and decoder each run S")  # fmt: skip
     plan.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
                       help=f"the model's dtype: {', '.join(DTYPES)} (default: bfloat16)")  # fmt: skip
     plan.add_argument("--no-gated", dest="gated", action="store_false",
@@ -104,9 +137,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-loss", dest="loss", action="store_false",
                       help="patch(loss=False): keep the head and Hugging Face's loss as they are (default: "
                            "the loss from hidden states, patch()'s default)")  # fmt: skip
+    plan.add_argument("--images", type=_non_negative, default=None, metavar="N",
+                      help="images per sample, for a vision-language model (a config with a vision_config); "
+                           "their tokens take part of --seq (default: 1 where invact plan builds the "
+                           "model's image inputs, else 0; 0: text only)")  # fmt: skip
+    plan.add_argument("--image-size", type=_positive, default=None, metavar="PX",
+                      help="the side of the square images in pixels, for a tower that takes any size "
+                           f"(Qwen2-VL, Qwen2.5-VL: a multiple of 28; default {_SIDE}, a 1 x 32 x 32 grid "
+                           "of 14-pixel patches, 256 tokens); other towers take their config's "
+                           "image_size")  # fmt: skip
     plan.add_argument("--json", action="store_true",
                       help="print one JSON object (eager_saved_bytes, patched_saved_bytes, kinds, "
-                           "decisions, config, batch, seq, dtype, ...) instead of the table")  # fmt: skip
+                           "decisions, config, batch, seq, dtype, images, image_inputs, vision_eager_bytes, "
+                           "vision_patched_bytes, encoder_decoder, ...) instead of the table")  # fmt: skip
     return parser
 
 
@@ -155,6 +198,24 @@ def _decision_lines(decisions: list[dict]) -> list[str]:
     return lines
 
 
+def _input_lines(result: dict) -> list[str]:
+    """What the forward's inputs hold besides input_ids (batch, seq): the images, the decoder's tokens."""
+    lines = []
+    images = result.get("image_inputs")
+    if images and images["per_sample"]:
+        side, each = images["side"], images["tokens_per_image"]
+        lines.append(
+            f"images: {images['per_sample']} per sample, {side} x {side} pixels, {each} tokens each: "
+            f"{images['image_tokens']} image + {images['text_tokens']} text tokens per sample"
+        )
+    elif images:
+        lines += textwrap.wrap(f"images: none ({images['note'] or '--images 0: text only'})", width=100,
+                               subsequent_indent="  ")  # fmt: skip
+    if result.get("encoder_decoder"):
+        lines.append(f"encoder-decoder: the encoder and the decoder each run seq {result['seq']} tokens")
+    return lines
+
+
 def format_plan(result: dict) -> str:
     """The planner's result as a compact table for a person: totals and the relative change on top."""
     eager, patched = result["eager_saved_bytes"], result["patched_saved_bytes"]
@@ -167,6 +228,7 @@ def format_plan(result: dict) -> str:
         f"batch {result['batch']} x seq {result['seq']}, {result['dtype']}, one training forward"
         f"{' with labels (the loss)' if result['labels'] else ', no labels'}; "
         f"attention: {used}",
+        *_input_lines(result),
         "",
         f"saved for backward: eager {_bytes(eager)} -> patch() {_bytes(patched)}: "
         f"{_change(eager, patched)} ({_bytes(patched - eager)})",
@@ -183,9 +245,14 @@ def format_plan(result: dict) -> str:
             lines.append("-" * (sum(widths) + 2 * 3))
         cells = [f"{label:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(figures, widths[1:], strict=True)]
         lines.append("  ".join(cells))
+    vision = result.get("vision_eager_bytes", 0), result.get("vision_patched_bytes", 0)
+    if any(vision):
+        lines += ["", f"of which the vision tower and projector: eager {_bytes(vision[0])} -> patch() "
+                      f"{_bytes(vision[1])}: {_change(*vision)}"]  # fmt: skip
+    returned = ", image features" if result.get("images") else ""
     lines += [
         "",
-        f"not counted: the output (eager's logits{', loss' if result['labels'] else ''}) "
+        f"not counted: the output (eager's logits{', loss' if result['labels'] else ''}{returned}) "
         f"{_bytes(result['output_bytes'])}, after patch() {_bytes(result['patched_output_bytes'])}; "
         f"parameters and buffers {_bytes(result['parameter_bytes'])}",
         "",
@@ -211,7 +278,8 @@ def _plan(args) -> int:
 
     try:
         result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
-                             norms=args.norms, loss=args.loss, labels=args.labels)  # fmt: skip
+                             norms=args.norms, loss=args.loss, labels=args.labels, images=args.images,
+                             image_size=args.image_size)  # fmt: skip
     except PlanError as e:
         _fail("invact plan", str(e))
     if args.json:

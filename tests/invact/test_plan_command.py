@@ -321,3 +321,26 @@ def test_fused_gate_up_on_meta_matches_cpu():
         with count_saved(model) as counter:
             model(input_ids=torch.randint(0, 128, (BATCH, SEQ)), use_cache=False)
         assert plan[key] == counter.report.saved_bytes, key
+
+
+@pytest.mark.slow
+def test_masked_attention_on_meta_takes_the_kernel_cpu_takes():
+    """Mistral with a sliding window shorter than the sequence passes SDPA a mask: torch's kernel choice
+    on stand-ins broadcasts it (its last two dimensions 1), so the meta forward takes CPU's fused kernel
+    with the mask as a real one does (the mask's key length against the stand-ins' one key sent it to
+    the math path, which also keeps the attention probabilities)."""
+    from invact.planner import plan_memory
+
+    config = TINY_LLAMA | {"model_type": "mistral", "sliding_window": SEQ // 4}
+    plan = plan_memory(config, BATCH, SEQ, "float32", labels=False)
+    assert plan["attention"]["kernels"] == ["flash"]
+    for patched, key in ((False, "eager_saved_bytes"), (True, "patched_saved_bytes")):
+        torch.manual_seed(0)
+        built = transformers.AutoConfig.for_model(**config)
+        model = transformers.AutoModelForCausalLM.from_config(built, attn_implementation="sdpa")
+        if patched:
+            invact.patch(model)
+        model.train()
+        with count_saved(model) as counter:
+            model(input_ids=torch.randint(0, 128, (BATCH, SEQ)), use_cache=False)
+        assert plan[key] == counter.report.saved_bytes, key
