@@ -61,6 +61,12 @@ __all__ = ["KIND", "HeadLoss", "LossHead", "PendingLogits", "class_decision", "h
 log = logging.getLogger("invact")
 
 
+# PendingLogits' own fields, and tensor attributes that code walking an output probes for (a sparse
+# tensor's values, indices): never forwarded to the computed logits
+_NOT_FORWARDED = frozenset({"hidden", "weight", "bias", "ops", "values", "indices", "crow_indices",
+                            "col_indices", "row_indices", "ccol_indices"})  # fmt: skip
+
+
 class PendingLogits:
     """The logits a patched head would return, not computed: the head's input, weight and bias, the
     transform the model applies to them, and the shape and dtype the logits would have. F.cross_entropy
@@ -153,7 +159,9 @@ class PendingLogits:
     reshape = view
 
     def __getattr__(self, name):  # any other tensor attribute: on the computed logits
-        if name.startswith("__") or name in ("hidden", "weight", "bias", "ops"):
+        # Code that walks a model's output probes its values for mapping or sparse-tensor attributes
+        # (`hasattr(v, "keys")`, `hasattr(v, "values")`): those do not compute the logits.
+        if name.startswith("__") or name in _NOT_FORWARDED or not hasattr(torch.Tensor, name):
             raise AttributeError(name)
         return getattr(self.logits(), name)
 

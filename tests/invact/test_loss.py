@@ -320,6 +320,11 @@ def test_logits_used_otherwise_are_computed_as_the_model_would():
     want = torch.tanh(F.linear(h, head.weight) / 30.0) * 30.0
     assert torch.equal(pending.argmax(-1), want.argmax(-1))  # a tensor method: on the computed logits
     assert torch.equal(pending[0], want[0])
+    computed = []
+    pending.logits = lambda: computed.append(1) or want  # counts the calls that compute them
+    # code that walks an output probes for a mapping's or a sparse tensor's attributes: not computed
+    assert not any(hasattr(pending, name) for name in ("keys", "items", "values", "indices", "to_dict"))
+    assert not computed and pending.sum() == want.sum() and computed == [1]
 
 
 def test_eager_takes_the_stand_in_where_the_head_feeds_the_loss_straight(monkeypatch):
