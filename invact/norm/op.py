@@ -392,12 +392,19 @@ def _lean_backward(dy, y, rstd, weight, bias, v: Variant, x_dtype, needs, kernel
     return dx, dw, db
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)  # not a subclass of either (a fake or functional tensor, DTensor)
+
+
 def _small(dy, y, rstd, weight, bias) -> bool:
     """invact.norm._cpu.backward_small serves a lean backward of these tensors (_lean holds): all fp32
     and contiguous, of the sizes the kernel reads at their addresses, and numba installed."""
     d = y.shape[-1]
     return (
-        y.dtype is torch.float32
+        # plain CPU tensors (the kernel reads and writes their addresses): not meta, CUDA, a tensor
+        # subclass (fake, functional) or a torch.func wrapper
+        all(t is None or (type(t) in _PLAIN and t.is_cpu) for t in (y, dy, rstd, weight, bias))
+        and not (_is_wrapped(y) or _is_wrapped(dy))
+        and y.dtype is torch.float32
         and dy.dtype is torch.float32
         and rstd.dtype is torch.float32
         and (weight is None or (weight.dtype is torch.float32 and weight.numel() == d))

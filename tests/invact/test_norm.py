@@ -418,6 +418,24 @@ def test_a_small_fp32_norm_backpropagates_by_the_serial_kernel(variant, rows, d,
         assert ((db.double() - dy.double().sum(0)).abs() <= (2 + rows) * U32 * dy.double().abs().sum(0)).all()
 
 
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
+def test_a_meta_norm_backward_reaches_no_kernel(variant, monkeypatch):
+    """The serial kernel reads and writes its tensors' addresses: the meta tensors of a shapes-only
+    backward (the FLOP counter's in benchmarks/speed.py, which crashed the process when they reached
+    it) take the torch formulas and give the gradients' shapes."""
+    pytest.importorskip("numba")
+    from invact.norm import _cpu as _norm_cpu
+
+    monkeypatch.setattr(_norm_cpu, "backward_small", lambda *a: pytest.fail("the kernel got meta tensors"))
+    monkeypatch.setattr(norm_op, "_SMALL", None)
+    v = VARIANTS[variant]
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    y, dy, w, rstd = meta(4, 8), meta(4, 8), meta(8), meta(4, 1)
+    b = meta(8) if v.center else None
+    dx, dw, db = norm_op._lean_backward(dy, y, rstd, w, b, v, torch.float32, (True,) * 3)
+    assert dx.shape == y.shape and dw.shape == w.shape and (db is None) == (not v.center)
+
+
 def test_cpu_weight_gradient_over_many_rows_no_farther_from_float64_than_torchs():
     """dweight sums dy h over every row: the CPU kernel sums over rows in fp64 (in fp32 its error was
     9.5x that of torch's own dweight at 16384 rows); measured 0.47-0.51x (benchmarks/rope_inversion.py,
