@@ -402,13 +402,29 @@ def _small(dy, y, rstd, weight, bias) -> bool:
     return (
         # plain CPU tensors (the kernel reads and writes their addresses): not meta, CUDA, a tensor
         # subclass (fake, functional) or a torch.func wrapper
-        all(t is None or (type(t) in _PLAIN and t.is_cpu) for t in (y, dy, rstd, weight, bias))
+        type(y) is torch.Tensor
+        and type(dy) is torch.Tensor
+        and type(rstd) is torch.Tensor
+        and y.is_cpu
+        and dy.is_cpu
+        and rstd.is_cpu
         and not (_is_wrapped(y) or _is_wrapped(dy))
         and y.dtype is torch.float32
         and dy.dtype is torch.float32
         and rstd.dtype is torch.float32
-        and (weight is None or (weight.dtype is torch.float32 and weight.numel() == d))
-        and (bias is None or (bias.dtype is torch.float32 and bias.numel() == d))
+        and (
+            weight is None
+            or (
+                type(weight) in _PLAIN
+                and weight.is_cpu
+                and weight.dtype is torch.float32
+                and weight.numel() == d
+            )
+        )
+        and (
+            bias is None
+            or (type(bias) in _PLAIN and bias.is_cpu and bias.dtype is torch.float32 and bias.numel() == d)
+        )
         and y.is_contiguous()
         and dy.is_contiguous()
         and rstd.is_contiguous()
