@@ -278,10 +278,9 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
         # gradient, and its weight gradient, whose matmul inductor otherwise put off, several blocks at a
         # time, keeping their fp32 softmax blocks and 16-bit copies alive (bf16, 512 x 128 x 50257, CPU:
         # the backward peaked at 57 MiB, against 19 eager)
-        previous = dh[:, 0] if dh is not None else None
-        if previous is not None and last is not None:
-            previous = previous + last[0, 0].float()
-        hb = h if kernels or previous is None else _after(h, previous)
+        hb = h
+        if not kernels and dh is not None:
+            hb = _after(h, dh[:, 0] if last is None else dh[:, 0] + last[0, 0].float())
         pre = logits(hb, w, None if bias is None else (bias if one else bias[start:stop]))
         p, scale, tanhs = _transformed(pre, ops, keep=True)
         del pre
@@ -303,7 +302,7 @@ def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, ne
         d = p.to(pre_dtype)
         if need_w:
             dw[start:stop] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
-            last = dw[start:stop]
+            last = None if kernels else dw[start:stop]
         if need_b:
             db[start:stop] = p.sum(dim=0).to(db.dtype)
         if need_h:
