@@ -303,14 +303,9 @@ def test_llama_1b_shaped_head_and_loss():
     assert plan["output_bytes"] == tokens * cfg["vocab_size"] * bf16 + 4
 
 
-@pytest.mark.slow
-def test_fused_gate_up_on_meta_matches_cpu():
-    """Phi-3's fused gate_up: the gated path moves u and y into the fused output when the MLP returns,
-    telling storages apart by identity on meta: the planned bytes are a real forward's."""
-    from invact.planner import plan_memory
-
-    config = TINY_LLAMA | {"model_type": "phi3", "pad_token_id": 0}
-    plan = plan_memory(config, BATCH, SEQ, "float32", labels=False)
+def _assert_a_real_forward_saves(plan: dict, config: dict) -> None:
+    """A real CPU forward (no labels) of the causal LM `config` describes saves the plan's bytes,
+    eager and patched."""
     for patched, key in ((False, "eager_saved_bytes"), (True, "patched_saved_bytes")):
         torch.manual_seed(0)
         built = transformers.AutoConfig.for_model(**config)
@@ -321,6 +316,17 @@ def test_fused_gate_up_on_meta_matches_cpu():
         with count_saved(model) as counter:
             model(input_ids=torch.randint(0, 128, (BATCH, SEQ)), use_cache=False)
         assert plan[key] == counter.report.saved_bytes, key
+
+
+@pytest.mark.slow
+def test_fused_gate_up_on_meta_matches_cpu():
+    """Phi-3's fused gate_up: the gated path moves u and y into the fused output when the MLP returns,
+    telling storages apart by identity on meta: the planned bytes are a real forward's."""
+    from invact.planner import plan_memory
+
+    config = TINY_LLAMA | {"model_type": "phi3", "pad_token_id": 0}
+    plan = plan_memory(config, BATCH, SEQ, "float32", labels=False)
+    _assert_a_real_forward_saves(plan, config)
 
 
 @pytest.mark.slow
@@ -334,13 +340,4 @@ def test_masked_attention_on_meta_takes_the_kernel_cpu_takes():
     config = TINY_LLAMA | {"model_type": "mistral", "sliding_window": SEQ // 4}
     plan = plan_memory(config, BATCH, SEQ, "float32", labels=False)
     assert plan["attention"]["kernels"] == ["flash"]
-    for patched, key in ((False, "eager_saved_bytes"), (True, "patched_saved_bytes")):
-        torch.manual_seed(0)
-        built = transformers.AutoConfig.for_model(**config)
-        model = transformers.AutoModelForCausalLM.from_config(built, attn_implementation="sdpa")
-        if patched:
-            invact.patch(model)
-        model.train()
-        with count_saved(model) as counter:
-            model(input_ids=torch.randint(0, 128, (BATCH, SEQ)), use_cache=False)
-        assert plan[key] == counter.report.saved_bytes, key
+    _assert_a_real_forward_saves(plan, config)
