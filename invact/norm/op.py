@@ -419,11 +419,18 @@ def _small(dy, y, rstd, weight, bias) -> bool:
                 and weight.is_cpu
                 and weight.dtype is torch.float32
                 and weight.numel() == d
+                and weight.is_contiguous()
             )
         )
         and (
             bias is None
-            or (type(bias) in _PLAIN and bias.is_cpu and bias.dtype is torch.float32 and bias.numel() == d)
+            or (
+                type(bias) in _PLAIN
+                and bias.is_cpu
+                and bias.dtype is torch.float32
+                and bias.numel() == d
+                and bias.is_contiguous()
+            )
         )
         and y.is_contiguous()
         and dy.is_contiguous()

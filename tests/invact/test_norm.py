@@ -436,6 +436,22 @@ def test_a_meta_norm_backward_reaches_no_kernel(variant, monkeypatch):
     assert dx.shape == y.shape and dw.shape == w.shape and (db is None) == (not v.center)
 
 
+@pytest.mark.parametrize("variant", sorted(ONE_PER_VARIANT))
+def test_a_strided_weight_reaches_no_kernel(variant):
+    """The serial kernel reads d contiguous weights at the weight's address: a weight that is every
+    other element of a longer tensor takes the torch formulas, whose gradients it then equals bitwise."""
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(5)
+    y, dy = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    rstd = torch.rand(4, 1, generator=g)
+    w, b = (torch.rand(16, generator=g) + 0.5)[::2], torch.randn(16, generator=g)[::2]
+    v = VARIANTS[variant]
+    b = b if v.center else None
+    got = norm_op._lean_backward(dy, y, rstd, w, b, v, torch.float32, (True,) * 3)
+    want = norm_op._lean_backward(dy, y, rstd, w, b, v, torch.float32, (True,) * 3, kernels=False)
+    assert all((a is None and c is None) or torch.equal(a, c) for a, c in zip(got, want, strict=True))
+
+
 def test_cpu_weight_gradient_over_many_rows_no_farther_from_float64_than_torchs():
     """dweight sums dy h over every row: the CPU kernel sums over rows in fp64 (in fp32 its error was
     9.5x that of torch's own dweight at 16384 rows); measured 0.47-0.51x (benchmarks/rope_inversion.py,
