@@ -760,6 +760,31 @@ def image_inputs(model: nn.Module, batch: int, seq: int, images: int | None, ima
     return inputs, described
 
 
+def training_inputs(model: nn.Module, batch: int, seq: int, images: int | None, image_size: int | None,
+                    dtype: torch.dtype, *, labels: bool = True) -> tuple[dict, dict | None]:  # fmt: skip
+    """(the keyword inputs of one training forward of `model` on the meta device: input_ids (batch,
+    seq), use_cache off, labels = input_ids where the forward takes labels and `labels` is set, the
+    images of image_inputs, an encoder-decoder's all-ones masks; image_inputs' description). The
+    shapes plan_memory documents."""
+    parameters = inspect.signature(model.forward).parameters
+    pictured, described = image_inputs(model, batch, seq, images, image_size, dtype)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    inputs = {"input_ids": ids, **pictured}
+    if "use_cache" in parameters:
+        inputs["use_cache"] = False
+    labels = labels and "labels" in parameters
+    if labels:  # input_ids themselves where they are meta; with images a meta tensor beside the CPU ids
+        inputs["labels"] = ids
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    if encoder_decoder and not labels and "decoder_input_ids" in parameters:
+        inputs["decoder_input_ids"] = ids
+    if encoder_decoder:  # all-ones masks, as a tokenizer gives them (on CPU: BART's forward reads them)
+        for name in ("attention_mask", "decoder_attention_mask"):
+            if name in parameters:
+                inputs[name] = torch.ones(batch, seq, dtype=torch.long)
+    return inputs, described
+
+
 def plan_memory(
     config,
     batch: int,
@@ -831,21 +856,9 @@ def plan_memory(
     if "input_ids" not in parameters:
         raise PlanError(f"{type(model).__name__}'s forward takes no input_ids: invact plan runs models of "
                         "token ids")  # fmt: skip
-    pictured, described = image_inputs(model, batch, seq, images, image_size, torch_dtype)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    inputs = {"input_ids": ids, **pictured}
-    if "use_cache" in parameters:
-        inputs["use_cache"] = False
-    labels = labels and "labels" in parameters
-    if labels:  # input_ids themselves where they are meta; with images a meta tensor beside the CPU ids
-        inputs["labels"] = ids
+    inputs, described = training_inputs(model, batch, seq, images, image_size, torch_dtype, labels=labels)
+    labels = "labels" in inputs
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    if encoder_decoder and not labels and "decoder_input_ids" in parameters:
-        inputs["decoder_input_ids"] = ids
-    if encoder_decoder:  # all-ones masks, as a tokenizer gives them (on CPU: BART's forward reads them)
-        for name in ("attention_mask", "decoder_attention_mask"):
-            if name in parameters:
-                inputs[name] = torch.ones(batch, seq, dtype=torch.long)
     decisions = invact.plan(model, gated=gated, norms=norms, loss=loss)
     try:
         with torch.enable_grad():

@@ -1,0 +1,315 @@
+"""The peak of a whole training step, predicted on the meta device: `Step(config, recipe).peak(batch,
+seq)` runs one step of a transformers model built from its config (forward with labels, the loss,
+backward, AdamW's step, the gradients set to None) with shapes only, and follows every storage it
+allocates, so the peak is that of a real step's live bytes: weights, gradients, optimizer state,
+inputs, what the forward saves and what forward and backward allocate and free on the way (the eager
+loss's logits and their fp32 copies, a layer's backward buffers, AdamW's foreach temporaries).
+
+How the bytes are followed: a TorchDispatchMode (below autograd: every op of the step, the backward's
+and the optimizer's included, reaches it) notes each output's storage with a weak reference to it
+(torch.UntypedStorage._weak_ref, the StorageImpl's own count, so views and autograd's saved copies
+keep it alive exactly as they keep a real storage alive). The live total rises by a storage's bytes
+when an op first returns it and falls when its last reference goes. The mode checks the weak
+references only when the total (stale entries included, so never below the true total) would pass
+the peak so far: a step of a 16-layer model checks a few hundred times, not at each of its ops.
+Storage bytes are the bytes a tensor asks for (an allocator rounds up: CUDA's caching allocator to
+512 bytes), and what a kernel allocates inside itself without an op (a workspace) is not seen.
+
+Recipes (RECIPES): "bf16", the model and AdamW's state in bf16; "lora", a frozen bf16 base with PEFT's
+LoRA adapters (bf16, rank `rank`, dropout 0) on every Linear but the output head, AdamW on them. Each
+with or without Hugging Face's gradient checkpointing (`activation_checkpointing_enable`, torch's
+non-reentrant checkpoint, every decoder layer). AdamW runs its foreach implementation, the default
+on CUDA. Its state exists from the second step on, as in a training run: the peak is that of a
+step after the first (Step creates the state with one step of zero gradients).
+
+Imports transformers (and peft for "lora") only when called; never downloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.autograd.graph import _engine_run_backward
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import invact
+from invact.loss import op as loss_op
+from invact.planner import (
+    PlanError,
+    _output_tensors,
+    _values_as_on_device,
+    build_config,
+    build_model,
+    read_config,
+    training_inputs,
+)
+
+_expired = torch.UntypedStorage._expired
+_free = torch.UntypedStorage._free_weak_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A way people fine-tune: the model's dtype, whether the base is frozen under LoRA adapters."""
+
+    name: str
+    label: str
+    dtype: torch.dtype
+    lora: bool = False
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("bf16", "full fine-tuning in bf16 (weights, gradients, AdamW state)", torch.bfloat16),
+        Recipe(
+            "lora",
+            "LoRA: frozen bf16 base, bf16 adapters on every Linear but the head",
+            torch.bfloat16,
+            lora=True,
+        ),  # fmt: skip
+    )
+}
+DEFAULT_RANK = 16  # LoRA rank where none is given: PEFT's LoraConfig default is 8; 16 is common in recipes
+
+# The terms of a peak, in the order --explain lists them: key -> what the bytes are.
+TERMS: dict[str, str] = {
+    "weights": "weights: the model's parameters and buffers",
+    "gradients": "gradients: .grad of the trainable parameters, live at the peak",
+    "optimizer": "optimizer state: AdamW's exp_avg, exp_avg_sq and step, per trainable parameter",
+    "inputs": "inputs: input_ids and labels (and images)",
+    "forward": "forward: what the forward allocated and is still live (saved for backward, the loss)",
+    "backward": "backward: what backward allocated and is still live (gradients of activations)",
+    "step": "optimizer step: AdamW's temporaries (foreach: one per parameter at once)",
+}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class LiveBytes(TorchDispatchMode):
+    """Follows the live bytes of every storage an op returns while it is active, and the peak.
+
+    `known`: tensors alive before (weights, optimizer state, inputs), counted from the start.
+    `phase`: a label the caller sets ("forward", "backward", "step"); each storage is noted with the
+    phase it was allocated in. `at_peak`: {phase or "known": bytes} of the live storages at the
+    peak, and `peak_keys` their storage keys, for attributing the peak (Step.peak)."""
+
+    def __init__(self, known: Iterable[torch.Tensor] = (), grads=lambda: ()) -> None:
+        super().__init__()
+        self.grads = grads  # () -> the storage keys of the gradients now
+        self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (weak ref, bytes, phase)
+        self.total = 0
+        self.phase = "known"
+        for t in known:
+            self._note(t)
+        self.peak = self.total
+        self.peak_op = None
+        self.peak_phase = "known"
+        self.peak_live = {key: (nbytes, phase) for key, (_, nbytes, phase) in self.live.items()}
+        self.peak_grads = set()
+
+    def _note(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        entry = self.live.get(key)
+        if entry is not None:
+            if not _expired(entry[0]):
+                return
+            _free(entry[0])
+            self.total -= entry[1]
+        nbytes = storage.nbytes()
+        self.live[key] = (storage._weak_ref(), nbytes, self.phase)
+        self.total += nbytes
+
+    def _sweep(self) -> None:
+        for key, (ref, nbytes, _) in list(self.live.items()):
+            if _expired(ref):
+                _free(ref)
+                del self.live[key]
+                self.total -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _output_tensors(out):
+            self._note(t)
+        if self.total > self.peak:
+            self._sweep()
+            if self.total > self.peak:
+                self.peak, self.peak_op, self.peak_phase = self.total, func, self.phase
+                self.peak_live = {key: (nbytes, phase) for key, (_, nbytes, phase) in self.live.items()}
+                self.peak_grads = set(self.grads()) if self.phase != "forward" else set()
+        return out
+
+    def close(self) -> None:
+        """Drops the weak references (each keeps its StorageImpl's shell)."""
+        for ref, _, _ in self.live.values():
+            _free(ref)
+        self.live.clear()
+
+
+# The device types a step is planned for: what the meta step does where invact's ops pick by device.
+DEVICES = ("cuda", "cpu")
+
+
+@contextlib.contextmanager
+def _as_on(device: str):
+    """invact's loss computes its vocabulary blocks on the meta device at `device`'s block size
+    (invact.loss.op.BLOCK_BYTES: 256 MiB of fp32 logits on CUDA, 4 MiB on CPU)."""
+    blocks = loss_op.BLOCK_BYTES
+    before = blocks.get("meta")
+    blocks["meta"] = blocks[device]
+    try:
+        yield
+    finally:
+        if before is None:
+            del blocks["meta"]
+        else:
+            blocks["meta"] = before
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's gradient checkpointing as training code turns it on (transformers 5:
+    activation_checkpointing_enable; before: gradient_checkpointing_enable), torch's non-reentrant
+    checkpoint around each decoder layer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+
+
+def _disable_checkpointing(model: nn.Module) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if hasattr(model, "activation_checkpointing_disable"):
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+
+
+def add_lora(model: nn.Module, rank: int) -> nn.Module:
+    """`model` with PEFT's LoRA adapters of `rank` (alpha 2 x rank, dropout 0, in the base's dtype) on
+    every Linear but the output head (PEFT's "all-linear"), the base frozen. PlanError without peft."""
+    try:
+        import peft
+    except ImportError:
+        raise PlanError("the lora recipe needs PEFT: pip install peft") from None
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+
+
+class Step:
+    """A model built from `config` on the meta device (or given, on any device) and set up for
+    `recipe`, with its AdamW; `peak(batch, seq)` the peak live bytes of one training step.
+
+    The model starts eager; `patch()` applies invact.patch() (after which it stays patched).
+    `checkpointing` toggles Hugging Face's gradient checkpointing per call of peak()."""
+
+    def __init__(self, config, recipe: str | Recipe = "bf16", *, rank: int = DEFAULT_RANK,
+                 model: nn.Module | None = None, images: int | None = None, image_size: int | None = None,
+                 device: str = "cuda") -> None:  # fmt: skip
+        if device not in DEVICES:
+            raise PlanError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+        self.device = device
+        self.recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise PlanError(f"the LoRA rank must be a positive integer, got {rank!r}")
+        self.rank = rank
+        if model is None:
+            if isinstance(config, str):
+                config = read_config(config)
+            if isinstance(config, dict):
+                config = build_config(config)
+            model, self.attention = build_model(config, self.recipe.dtype)
+        else:
+            self.attention = getattr(model.config, "_attn_implementation", None)
+        self.base = model
+        self.model = add_lora(model, rank) if self.recipe.lora else model
+        self.model.train()
+        self.images, self.image_size = images, image_size
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # foreach: the default on CUDA (torch.optim's _default_to_fused_or_foreach), not on CPU or meta
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=1e-5, foreach=True)
+        for p in self.trainable:  # the state AdamW creates in its first step
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.patched = False
+
+    def patch(self) -> None:
+        invact.patch(self.model)
+        self.patched = True
+
+    def _state(self) -> list[torch.Tensor]:
+        return [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+    def inputs(self, batch: int, seq: int) -> dict:
+        return training_inputs(self.base, batch, seq, self.images, self.image_size, self.recipe.dtype)[0]
+
+    def run(self, inputs: dict) -> None:
+        """One training step on `inputs`: forward with labels, backward of the loss, AdamW's step, the
+        gradients set to None."""
+        loss = self.model(**inputs).loss
+        loss.backward()
+        del loss
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def peak(self, batch: int, seq: int, *, checkpointing: bool = False) -> dict:
+        """The peak live bytes of one training step at input_ids (batch, seq), and its terms:
+        {peak_bytes, terms: {TERMS key: bytes live at the peak}, phase (where the peak is: "forward",
+        "backward" or "step"), op (the aten op that allocated last before it)}."""
+        (_enable_checkpointing if checkpointing else _disable_checkpointing)(self.base)
+        inputs = self.inputs(batch, seq)
+        weights = [*self.model.parameters(), *self.model.buffers()]
+        state = self._state()
+        given = [t for t in _output_tensors(inputs) if not t.is_cpu or not self._on_meta()]
+        trainable = self.trainable
+        live = LiveBytes((*weights, *state, *given),
+                         lambda: [_storage_key(p.grad) for p in trainable if p.grad is not None])  # fmt: skip
+        try:
+            meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
+            with meta, _as_on(self.device), live:
+                live.phase = "forward"
+                loss = self.model(**inputs).loss
+                live.phase = "backward"
+                # The engine itself, not loss.backward(): a torch function mode is off while it handles a
+                # call, and the planner's (_values_as_on_device) would then be off for the whole
+                # backward, checkpointing's recompute of the forward included.
+                _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), True, True)
+                del loss
+                live.phase = "step"
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            live.close()
+            self.optimizer.zero_grad(set_to_none=True)
+        terms = dict.fromkeys(TERMS, 0)
+        kinds = (
+            ("weights", {_storage_key(t) for t in weights}),
+            ("optimizer", {_storage_key(t) for t in state}),
+            ("inputs", {_storage_key(t) for t in given}),
+            ("gradients", live.peak_grads),
+        )
+        for key, (nbytes, phase) in live.peak_live.items():
+            term = next((name for name, keys in kinds if key in keys), phase)
+            terms[term if term in terms else "forward"] += nbytes
+        return {
+            "peak_bytes": live.peak,
+            "terms": terms,
+            "phase": live.peak_phase,
+            "op": str(live.peak_op) if live.peak_op is not None else None,
+        }
+
+    def _on_meta(self) -> bool:
+        return next(self.model.parameters()).is_meta
