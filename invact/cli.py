@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 from invact.planner import DEFAULT_IMAGE_SIDE, DTYPES, KINDS, PlanError
+from invact.step_peak import DEFAULT_RANK, DEVICES, RECIPES, SEQ_MULTIPLE, TERMS
 
 ERROR_STATUS = 2  # bad input, as argparse's own usage errors
 _SIDE = DEFAULT_IMAGE_SIDE  # the default side of the images of a tower that takes any size
@@ -67,6 +68,21 @@ input_ids (batch, seq) and the decoder labels (batch, seq), shifted right as the
 run seq tokens, with all-ones attention masks. --no-labels gives the decoder decoder_input_ids =
 input_ids.
 
+The whole training step (--step, --explain, --fits): one step (forward with labels, the loss,
+backward, AdamW's foreach step, the gradients set to None) after the first, so AdamW's state exists,
+run on the meta device while every storage it allocates is followed to its release
+(invact.step_peak): its peak of live bytes holds the weights, the gradients, the optimizer state,
+the inputs, what the forward saves, the eager loss's logits and their fp32 copies, a layer's
+backward buffers and AdamW's temporaries, each where the step holds them. Recipes: "bf16", the model
+and AdamW's state in bf16; "lora", a frozen bf16 base with PEFT's LoRA adapters (bf16, --rank,
+alpha 2 x rank, dropout 0) on every Linear but the head, AdamW on the adapters (needs peft).
+Checkpointing: Hugging Face's (activation_checkpointing_enable, torch's non-reentrant checkpoint
+around each decoder layer). --fits searches the longest sequence in multiples of {SEQ_MULTIPLE} tokens
+up to the config's max_position_embeddings (">=" where that fits), or with --seq alone the largest
+batch; "none" where not even the smallest fits. Give --fits what PyTorch may allocate: a GPU's
+memory less the CUDA context (about 0.5 GiB) and what else runs on it. Checked against real CPU
+steps: benchmarks/step_plan.py.
+
 Exit status: 0, or 2 with one line on stderr for bad input: no such file, invalid JSON, a config
 transformers cannot build, a model whose forward cannot run on the meta device, a non-positive
 batch or seq, an unknown dtype, --images for a model without a vision tower, images whose tokens
@@ -118,11 +134,20 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("config", metavar="CONFIG.json",
                       help="a Hugging Face config JSON file (or a folder holding config.json); read "
                            "locally, nothing downloads")  # fmt: skip
-    plan.add_argument("--batch", type=_positive, required=True, metavar="B",
-                      help="batch size: input_ids are (B, S)")  # fmt: skip
-    plan.add_argument("--seq", type=_positive, required=True, metavar="S",
-                      help="sequence length, tokens: with images, their tokens and the text's together; an "
-                           "encoder-decoder's encoder and decoder each run S")  # fmt: skip
+    plan.add_argument(
+        "--batch",
+        type=_positive,
+        metavar="B",
+        help="batch size: input_ids are (B, S) (required, but with --fits, where the default is "
+        "1 unless --seq is given: then the largest batch is searched)",
+    )
+    plan.add_argument(
+        "--seq",
+        type=_positive,
+        metavar="S",
+        help="sequence length, tokens: with images, their tokens and the text's together; an "
+        "encoder-decoder's encoder and decoder each run S (required, but with --fits)",
+    )
     plan.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
                       help=f"the model's dtype: {', '.join(DTYPES)} (default: bfloat16)")  # fmt: skip
     plan.add_argument("--no-gated", dest="gated", action="store_false",
@@ -146,6 +171,54 @@ def _parser() -> argparse.ArgumentParser:
                            f"(Qwen2-VL, Qwen2.5-VL: a multiple of 28; default {_SIDE}, a 1 x 32 x 32 grid "
                            "of 14-pixel patches, 256 tokens); other towers take their config's "
                            "image_size")  # fmt: skip
+    step = plan.add_argument_group(
+        "the whole training step (forward, loss, backward, AdamW), its peak of live bytes",
+        "--step, --explain or --fits plan the step's peak instead of the saved bytes; see below.",
+    )
+    step.add_argument(
+        "--fits",
+        metavar="SIZE",
+        help="the memory the step must fit in (24GiB, 80GB, 24G = GiB, or bytes): print the longest "
+        f"sequence (a multiple of {SEQ_MULTIPLE}) that fits at --batch (default 1), or with "
+        "--seq alone the largest batch, eager and patch(), without and with checkpointing, "
+        "per recipe",
+    )
+    step.add_argument(
+        "--step",
+        action="store_true",
+        help="print the step's predicted peak at --batch and --seq, eager and patch(), without "
+        "and with checkpointing, per recipe",
+    )
+    step.add_argument(
+        "--explain",
+        action="store_true",
+        help="with each peak, its terms: weights, gradients, optimizer state, inputs, what the "
+        "forward and the backward allocated that is live at the peak (implies --step "
+        "without --fits)",
+    )
+    step.add_argument(
+        "--recipe",
+        nargs="+",
+        choices=list(RECIPES),
+        default=list(RECIPES),
+        metavar="R",
+        help="the recipes: "
+        + "; ".join(f"{r.name}: {r.label}" for r in RECIPES.values())
+        + " (default: all)",
+    )
+    step.add_argument(
+        "--rank",
+        type=_positive,
+        default=DEFAULT_RANK,
+        metavar="R",
+        help=f"the LoRA rank (default {DEFAULT_RANK})",
+    )
+    step.add_argument(
+        "--device",
+        choices=list(DEVICES),
+        default="cuda",
+        help="the device the step is planned for: invact's loss computes blocks of its size (default cuda)",
+    )
     plan.add_argument("--json", action="store_true",
                       help="print one JSON object (eager_saved_bytes, patched_saved_bytes, kinds, "
                            "decisions, config, batch, seq, dtype, images, image_inputs, vision_eager_bytes, "
@@ -276,6 +349,11 @@ def _plan(args) -> int:
     transformers.utils.logging.set_verbosity_error()  # its advice on configs would interleave the table
     from invact.planner import plan_memory
 
+    if args.fits is not None or args.step or args.explain:
+        return _plan_step(args)
+    for name in ("batch", "seq"):
+        if getattr(args, name) is None:
+            _fail("invact plan", f"the following argument is required: --{name} (or --fits)")
     try:
         result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
                              norms=args.norms, loss=args.loss, labels=args.labels, images=args.images,
@@ -287,6 +365,129 @@ def _plan(args) -> int:
     else:
         print(format_plan(result))
     return 0
+
+
+def _plan_step(args) -> int:
+    from invact.step_peak import plan_step
+
+    if args.dtype.lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
+        _fail("invact plan", "--step, --explain and --fits plan bf16 recipes: leave --dtype at bfloat16")
+    if args.fits is None and (args.batch is None or args.seq is None):
+        _fail("invact plan", "--step and --explain need --batch and --seq (or --fits)")
+    if not (args.gated and args.norms and args.loss and args.labels):
+        _fail("invact plan", "--step, --explain and --fits plan patch() with its defaults and labels: "
+                             "drop --no-gated, --no-norms, --no-loss and --no-labels")  # fmt: skip
+    try:
+        result = plan_step(args.config, args.batch, args.seq, recipes=tuple(dict.fromkeys(args.recipe)),
+                           rank=args.rank, fits=args.fits, device=args.device, images=args.images,
+                           image_size=args.image_size)  # fmt: skip
+    except PlanError as e:
+        _fail("invact plan", str(e))
+    print(json.dumps(result, indent=2) if args.json else format_step(result, explain=args.explain))
+    return 0
+
+
+_CHECKPOINTING = {False: "off", True: "on"}
+
+
+def _recipe_label(result: dict, name: str) -> str:
+    return f"LoRA r{result['rank']} (bf16)" if name == "lora" else "full (bf16)"
+
+
+def format_step(result: dict, explain: bool = False) -> str:
+    """plan_step's result as a table: per recipe and checkpointing, eager's and patch()'s answer (with
+    --fits: the longest sequence or the largest batch that fits; else the peak), and the ratio."""
+    searched = result["searched"]
+    source = result["config"] or "a config"
+    lines = [f"invact plan: {result['model_class']} from {source}"]
+    if searched == "seq":
+        lines.append(
+            f"the longest sequence (a multiple of {SEQ_MULTIPLE}, at most {result['cap']}) at batch "
+            f"{result['batch']} whose training step fits in {_bytes(result['fits_bytes'])}"
+        )
+    elif searched == "batch":
+        lines.append(
+            f"the largest batch (at most {result['cap']}) at seq {result['seq']} whose training step "
+            f"fits in {_bytes(result['fits_bytes'])}"
+        )
+    else:
+        lines.append(f"the peak of one training step at batch {result['batch']} x seq {result['seq']}")
+    lines += [
+        f"(forward with labels, loss, backward, AdamW, as on {result['device']}; predicted on the meta "
+        "device: peak of live bytes)",
+        "",
+    ]
+    rows = {(r["recipe"], r["patched"], r["checkpointing"]): r for r in result["rows"]}
+
+    def answer(row: dict) -> str:
+        if not searched:
+            return _bytes(row["peak_bytes"])
+        value = row[searched]
+        if not value:
+            return "none"
+        return f">={value}" if value >= result["cap"] else str(value)
+
+    def ratio(eager: dict, patched: dict) -> str:
+        if not searched:
+            return _change(eager["peak_bytes"], patched["peak_bytes"])
+        if not eager[searched]:
+            return "-" if not patched[searched] else "new"
+        capped = ">=" if patched[searched] >= result["cap"] else ""
+        return f"{capped}{patched[searched] / eager[searched]:.2f}x"
+
+    what = {"seq": "seq", "batch": "batch", None: "peak"}[searched]
+    table = [
+        (
+            "recipe",
+            "checkpointing",
+            f"eager {what}",
+            f"patch() {what}",
+            "patch()/eager" if searched else "change",
+        )
+    ]
+    names = list(dict.fromkeys(r["recipe"] for r in result["rows"]))
+    for name in names:
+        for checkpointing in (False, True):
+            eager, patched = rows[name, False, checkpointing], rows[name, True, checkpointing]
+            table.append(
+                (
+                    _recipe_label(result, name),
+                    _CHECKPOINTING[checkpointing],
+                    answer(eager),
+                    answer(patched),
+                    ratio(eager, patched),
+                )
+            )
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    for row in table:
+        lines.append(
+            "  ".join(
+                [
+                    f"{row[0]:<{widths[0]}}",
+                    f"{row[1]:<{widths[1]}}",
+                    *(f"{c:>{w}}" for c, w in zip(row[2:], widths[2:], strict=True)),
+                ]
+            )
+        )
+    if explain:
+        lines += ["", "where each peak's bytes are (live at the peak):"]
+        for r in result["rows"]:
+            head = (
+                f"{_recipe_label(result, r['recipe'])}, checkpointing {_CHECKPOINTING[r['checkpointing']]}, "
+                f"{'patch()' if r['patched'] else 'eager'}: batch {r['batch']} x seq {r['seq']}, peak "
+                f"{_bytes(r['peak_bytes'])} in the {r['phase']} (last op {r['op']})"
+            )
+            lines += textwrap.wrap(head, width=100, subsequent_indent="    ")
+            for key, label in TERMS.items():
+                if r["terms"][key]:
+                    lines.append(f"    {_bytes(r['terms'][key]):>11}  {label}")
+    lines += [""] + textwrap.wrap(
+        "Peak of live bytes: what torch's allocator is asked for at the step's busiest moment (CUDA's "
+        "max_memory_allocated, less its rounding to 512-byte blocks and kernels' workspaces); a GPU also "
+        "holds the CUDA context and the allocator's cache. invact plan --help says what each recipe is.",
+        width=100,
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
 import warnings
 from collections.abc import Iterable
 
@@ -313,3 +315,185 @@ class Step:
 
     def _on_meta(self) -> bool:
         return next(self.model.parameters()).is_meta
+
+
+# --fits sizes: binary units (KiB, MiB, GiB, TiB; K, M, G, T taken as binary, as nvidia-smi's MiB), decimal
+# ones (KB, MB, GB, TB) and plain bytes
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+# The longest sequence is searched in multiples of this many tokens (a batch in ones).
+SEQ_MULTIPLE = 128
+# The longest sequence searched where the config gives no max_position_embeddings: 2^20 tokens.
+SEQ_CAP = 2**20
+# The largest batch searched.
+BATCH_CAP = 2**14
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as "24GiB", "80 GB", "24G" (binary), "1.5TiB" or "25769803776"; PlanError
+    for anything else or a size that is not positive."""
+    match = _SIZE.fullmatch(str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise PlanError(f"cannot read {text!r} as a size: write it as 24GiB, 80GB, 24G (binary) or bytes")
+    size = int(float(match.group(1)) * unit)
+    if size <= 0:
+        raise PlanError(f"a size must be positive, got {text!r}")
+    return size
+
+
+def largest(peak, budget: int, step: int, cap: int) -> tuple[int, dict, int]:
+    """(the largest multiple x of `step` in [step, cap] with peak(x)["peak_bytes"] <= budget, 0 where
+    not even `step` fits; peak(x) there, or peak(step) where nothing fits; how many peaks it computed).
+    peak must not decrease as x grows. Each guess is the secant through the two nearest points known,
+    rounded down to a multiple of `step` and kept inside the bracket (a step's peak is close to affine
+    in its sequence and its batch: four or five peaks answer)."""
+    known: dict[int, dict] = {}
+
+    def bytes_at(x: int) -> int:
+        if x not in known:
+            known[x] = peak(x)
+        return known[x]["peak_bytes"]
+
+    def down(value: float) -> int:
+        return int(value) // step * step
+
+    cap = max(step, down(cap))
+    # Two probes first, 16 and 32 steps (most answers lie beyond them, and a secant through the smallest
+    # sizes extrapolates from fixed costs); the smallest size only where the first does not fit.
+    first = min(cap, 16 * step)
+    if bytes_at(first) > budget:
+        if first == step or bytes_at(step) > budget:
+            return 0, known[step], len(known)
+        low, high = step, first
+    else:
+        low, high = first, None
+        x = min(cap, 2 * first)
+    while high is None:  # grow: extrapolate through the last two points that fit
+        if x <= low:
+            return low, known[low], len(known)
+        if bytes_at(x) > budget:
+            high = x
+            break
+        before, low = low, x
+        if low >= cap:
+            return low, known[low], len(known)
+        slope = (bytes_at(low) - bytes_at(before)) / (low - before)
+        guess = low + (budget - bytes_at(low)) / slope if slope > 0 else 2 * low
+        x = min(cap, max(low + step, down(guess)))
+    moved = None  # the end the last guess moved; where a secant moves the same end twice, it bisects
+    while high - low > step:  # narrow: the secant through the bracket's ends
+        rise = bytes_at(high) - bytes_at(low)
+        if rise > 0 and moved != "twice":
+            guess = low + (budget - bytes_at(low)) * (high - low) / rise
+        else:
+            guess = (low + high) / 2
+        x = min(high - step, max(low + step, down(guess)))
+        side = "low" if bytes_at(x) <= budget else "high"
+        low, high = (x, high) if side == "low" else (low, x)
+        moved = "twice" if side == moved else side
+    return low, known[low], len(known)
+
+
+VARIANTS = ((False, False), (False, True), (True, False), (True, True))  # (patched, checkpointing), in order
+
+
+def _positions(config) -> int:
+    """The longest sequence the config's positions take: max_position_embeddings (or n_positions) of
+    its text model, else SEQ_CAP."""
+    for source in (getattr(config, "text_config", None), config):
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(source, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return SEQ_CAP
+
+
+def _config(config):
+    path = None
+    if isinstance(config, (str, os.PathLike)):
+        path = str(config)
+        config = read_config(config)
+    if isinstance(config, dict):
+        config = build_config(config)
+    return config, path
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise PlanError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _by(step: Step, searched: str, batch: int | None, seq: int | None, checkpointing: bool):
+    """x -> step's peak at sequence x (searched "seq") or batch x."""
+    if searched == "seq":
+        return lambda x: step.peak(batch, x, checkpointing=checkpointing)
+    return lambda x: step.peak(x, seq, checkpointing=checkpointing)
+
+
+def plan_step(config, batch: int | None, seq: int | None, *, recipes=tuple(RECIPES), rank: int = DEFAULT_RANK,
+              fits: int | str | None = None, device: str = "cuda", images: int | None = None,
+              image_size: int | None = None) -> dict:  # fmt: skip
+    """The peak of one training step of the model `config` describes (a config object or dict, or the
+    path of a config JSON file), eager and after invact.patch(), without and with gradient
+    checkpointing, for each recipe in `recipes` (RECIPES' names), predicted on the meta device.
+
+    Without `fits`: at input_ids (batch, seq). With `fits` (bytes, or a size parse_size reads): the
+    longest sequence (a multiple of SEQ_MULTIPLE, at most the config's max_position_embeddings) at
+    `batch` whose peak fits, or with `seq` given and `batch` None the largest batch (at most
+    BATCH_CAP); 0 where none fits.
+
+    Returns a JSON-ready dict: config (the path or None), model_type, model_class, dtype ("bfloat16"),
+    device, rank, batch, seq, fits_bytes (None without fits), searched ("seq", "batch" or None), cap
+    (the largest value searched), rows: one per recipe and variant, in RECIPES' then VARIANTS' order,
+    {recipe, patched, checkpointing, batch, seq (the answer where searched), peak_bytes, terms (TERMS
+    key -> bytes live at the peak), phase, op, peaks (how many steps were planned)}; with fits a row
+    where nothing fits has seq (or batch) 0 and the peak at the smallest one tried."""
+    _check_positive(batch=batch, seq=seq)
+    budget = None if fits is None else (parse_size(fits) if isinstance(fits, str) else fits)
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise PlanError(f"the memory to fit in must be a positive number of bytes, got {fits!r}")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or not recipes:
+        choices = ", ".join(RECIPES)
+        raise PlanError(f"unknown recipe {unknown[0] if unknown else None!r} (choose from {choices})")
+    searched = None
+    if budget is not None:
+        searched = "batch" if batch is None and seq is not None else "seq"
+        batch = 1 if searched == "seq" and batch is None else batch
+    elif batch is None or seq is None:
+        raise PlanError("give --batch and --seq, or --fits with one of them")
+    config, path = _config(config)
+    cap = (_positions(config) if searched == "seq" else BATCH_CAP) if searched else None
+    rows, model_class = [], None
+    for name in recipes:
+        step = Step(config, name, rank=rank, device=device, images=images, image_size=image_size)
+        model_class = type(step.base).__name__
+        for patched, checkpointing in VARIANTS:
+            if patched and not step.patched:
+                step.patch()
+            if searched:
+                answer, peak, count = largest(_by(step, searched, batch, seq, checkpointing), budget,
+                                              SEQ_MULTIPLE if searched == "seq" else 1, cap)  # fmt: skip
+                shape = (batch, answer) if searched == "seq" else (answer, seq)
+            else:
+                peak, count, shape = step.peak(batch, seq, checkpointing=checkpointing), 1, (batch, seq)
+            rows.append({"recipe": name, "patched": patched, "checkpointing": checkpointing,
+                         "batch": shape[0], "seq": shape[1], **peak, "peaks": count})  # fmt: skip
+    return {
+        "config": path,
+        "model_type": getattr(config, "model_type", None),
+        "model_class": model_class,
+        "dtype": "bfloat16",
+        "device": device,
+        "rank": rank,
+        "batch": batch,
+        "seq": seq,
+        "fits_bytes": budget,
+        "searched": searched,
+        "cap": cap,
+        "rows": rows,
+    }
