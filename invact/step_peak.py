@@ -15,7 +15,9 @@ the peak so far: a step of a 16-layer model checks a few hundred times, not at e
 Storage bytes are the bytes a tensor asks for (an allocator rounds up: CUDA's caching allocator to
 512 bytes), and what a kernel allocates inside itself without an op (a workspace) is not seen.
 
-Recipes (RECIPES): "bf16", the model and AdamW's state in bf16; "lora", a frozen bf16 base with PEFT's
+Recipes (RECIPES): "bf16", the model and AdamW's state in bf16; "mixed", fp32 weights and AdamW state,
+the forward under autocast to bf16 (on the meta device invact._autocast's rules for the device
+planned for); "lora", a frozen bf16 base with PEFT's
 LoRA adapters (bf16, rank `rank`, dropout 0) on every Linear but the output head, AdamW on them. Each
 with or without Hugging Face's gradient checkpointing (`activation_checkpointing_enable`, torch's
 non-reentrant checkpoint, every decoder layer). AdamW runs its foreach implementation, the default
@@ -40,6 +42,7 @@ from torch.autograd.graph import _engine_run_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import invact
+from invact._autocast import Autocast
 from invact.loss import op as loss_op
 from invact.planner import (
     PlanError,
@@ -57,18 +60,26 @@ _free = torch.UntypedStorage._free_weak_ref
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A way people fine-tune: the model's dtype, whether the base is frozen under LoRA adapters."""
+    """A way people fine-tune: the model's dtype, whether the base is frozen under LoRA adapters, the
+    dtype autocast computes in (None: no autocast)."""
 
     name: str
     label: str
     dtype: torch.dtype
     lora: bool = False
+    autocast: torch.dtype | None = None
 
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe("bf16", "full fine-tuning in bf16 (weights, gradients, AdamW state)", torch.bfloat16),
+        Recipe(
+            "mixed",
+            "mixed precision: fp32 weights, autocast to bf16, AdamW in fp32",
+            torch.float32,
+            autocast=torch.bfloat16,
+        ),  # fmt: skip
         Recipe(
             "lora",
             "LoRA: frozen bf16 base, bf16 adapters on every Linear but the head",
@@ -176,16 +187,17 @@ def _as_on(device: str):
             blocks["meta"] = before
 
 
-def _enable_checkpointing(model: nn.Module) -> None:
+def _enable_checkpointing(model: nn.Module, context_fn=None) -> None:
     """Hugging Face's gradient checkpointing as training code turns it on (transformers 5:
     activation_checkpointing_enable; before: gradient_checkpointing_enable), torch's non-reentrant
-    checkpoint around each decoder layer."""
+    checkpoint around each decoder layer; `context_fn` checkpoint's, where given."""
+    kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn else {})}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable({"use_reentrant": False})
+            model.activation_checkpointing_enable(kwargs)
         else:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
+            model.gradient_checkpointing_enable(kwargs)
 
 
 def _disable_checkpointing(model: nn.Module) -> None:
@@ -237,6 +249,9 @@ class Step:
             self.attention = getattr(model.config, "_attn_implementation", None)
         self.base = model
         self.model = add_lora(model, rank) if self.recipe.lora else model
+        # autocast on the meta device: invact._autocast's, as on `device`
+        meta = next(model.parameters()).is_meta
+        self.autocast = Autocast(device, self.recipe.autocast) if self.recipe.autocast and meta else None
         self.model.train()
         self.images, self.image_size = images, image_size
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -258,10 +273,20 @@ class Step:
     def inputs(self, batch: int, seq: int) -> dict:
         return training_inputs(self.base, batch, seq, self.images, self.image_size, self.recipe.dtype)[0]
 
+    def _region(self):
+        """The forward's autocast region: the recipe's autocast (on the meta device, invact._autocast's)."""
+        if self.recipe.autocast is None:
+            return contextlib.nullcontext()
+        if self.autocast is not None:
+            return self.autocast.region()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=self.recipe.autocast)
+
     def run(self, inputs: dict) -> None:
-        """One training step on `inputs`: forward with labels, backward of the loss, AdamW's step, the
-        gradients set to None."""
-        loss = self.model(**inputs).loss
+        """One training step on `inputs`: forward with labels (under the recipe's autocast), backward of
+        the loss, AdamW's step, the gradients set to None."""
+        with self._region():
+            loss = self.model(**inputs).loss
         loss.backward()
         del loss
         self.optimizer.step()
@@ -271,7 +296,10 @@ class Step:
         """The peak live bytes of one training step at input_ids (batch, seq), and its terms:
         {peak_bytes, terms: {TERMS key: bytes live at the peak}, phase (where the peak is: "forward",
         "backward" or "step"), op (the aten op that allocated last before it)}."""
-        (_enable_checkpointing if checkpointing else _disable_checkpointing)(self.base)
+        if checkpointing:
+            _enable_checkpointing(self.base, self.autocast.contexts if self.autocast is not None else None)
+        else:
+            _disable_checkpointing(self.base)
         inputs = self.inputs(batch, seq)
         weights = [*self.model.parameters(), *self.model.buffers()]
         state = self._state()
@@ -281,9 +309,11 @@ class Step:
                          lambda: [_storage_key(p.grad) for p in trainable if p.grad is not None])  # fmt: skip
         try:
             meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
-            with meta, _as_on(self.device), live:
+            autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
+            with meta, _as_on(self.device), autocast, live:
                 live.phase = "forward"
-                loss = self.model(**inputs).loss
+                with self._region():
+                    loss = self.model(**inputs).loss
                 live.phase = "backward"
                 # The engine itself, not loss.backward(): a torch function mode is off while it handles a
                 # call, and the planner's (_values_as_on_device) would then be off for the whole
