@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 from invact.planner import DEFAULT_IMAGE_SIDE, DTYPES, KINDS, PlanError
-from invact.step_peak import DEFAULT_RANK, DEVICES, RECIPES, SEQ_MULTIPLE, TERMS
+from invact.step_peak import DEFAULT_RANK, DEFAULT_RECIPES, DEVICES, RECIPES, SEQ_MULTIPLE, TERMS
 
 ERROR_STATUS = 2  # bad input, as argparse's own usage errors
 _SIDE = DEFAULT_IMAGE_SIDE  # the default side of the images of a tower that takes any size
@@ -199,12 +199,12 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--recipe",
         nargs="+",
-        choices=list(RECIPES),
-        default=list(RECIPES),
+        choices=[*RECIPES, "all"],
+        default=list(DEFAULT_RECIPES),
         metavar="R",
         help="the recipes: "
         + "; ".join(f"{r.name}: {r.label}" for r in RECIPES.values())
-        + " (default: all)",
+        + f"; all: every one (default: {' '.join(DEFAULT_RECIPES)})",
     )
     step.add_argument(
         "--rank",
@@ -377,8 +377,9 @@ def _plan_step(args) -> int:
     if not (args.gated and args.norms and args.loss and args.labels):
         _fail("invact plan", "--step, --explain and --fits plan patch() with its defaults and labels: "
                              "drop --no-gated, --no-norms, --no-loss and --no-labels")  # fmt: skip
+    recipes = tuple(RECIPES) if "all" in args.recipe else tuple(dict.fromkeys(args.recipe))
     try:
-        result = plan_step(args.config, args.batch, args.seq, recipes=tuple(dict.fromkeys(args.recipe)),
+        result = plan_step(args.config, args.batch, args.seq, recipes=recipes,
                            rank=args.rank, fits=args.fits, device=args.device, images=args.images,
                            image_size=args.image_size)  # fmt: skip
     except PlanError as e:
@@ -391,7 +392,9 @@ _CHECKPOINTING = {False: "off", True: "on"}
 
 
 def _recipe_label(result: dict, name: str) -> str:
-    return f"LoRA r{result['rank']} (bf16)" if name == "lora" else "full (bf16)"
+    return {"lora": f"LoRA r{result['rank']} (bf16)", "mixed": "full (mixed: fp32 + bf16 autocast)"}.get(
+        name, "full (bf16)"
+    )
 
 
 def format_step(result: dict, explain: bool = False) -> str:

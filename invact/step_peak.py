@@ -88,6 +88,9 @@ RECIPES: dict[str, Recipe] = {
         ),  # fmt: skip
     )
 }
+# The recipes planned unless others are asked for: full fine-tuning and LoRA, in bf16 (mixed precision
+# adds half again to --fits' time: 35 s against 24 s for the Llama-3.2-1B shape on a 2-core Xeon)
+DEFAULT_RECIPES = ("bf16", "lora")
 DEFAULT_RANK = 16  # LoRA rank where none is given: PEFT's LoraConfig default is 8; 16 is common in recipes
 
 # The terms of a peak, in the order --explain lists them: key -> what the bytes are.
@@ -107,26 +110,29 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Follows the live bytes of every storage an op returns while it is active, and the peak.
+    """Follows the live bytes of every storage an op returns while it is active, and their peak.
 
-    `known`: tensors alive before (weights, optimizer state, inputs), counted from the start.
-    `phase`: a label the caller sets ("forward", "backward", "step"); each storage is noted with the
-    phase it was allocated in. `at_peak`: {phase or "known": bytes} of the live storages at the
-    peak, and `peak_keys` their storage keys, for attributing the peak (Step.peak)."""
+    `known`: {label: tensors alive before} (weights, optimizer state, inputs), counted from the start
+    under their label. `phase`: the label the caller sets for what is allocated next ("forward",
+    "backward", "step"). At the peak: `peak` (bytes), `at_peak` ({label: live bytes}), `peak_phase`,
+    `peak_op` (the op whose outputs made it) and `peak_grads`, the bytes `grads()` gave then (the
+    live gradients, allocated in backward: counted under "backward" too). `peaks`: {phase: the peak
+    while it ran}, each exact (a phase's peak below the overall one is followed too)."""
 
-    def __init__(self, known: Iterable[torch.Tensor] = (), grads=lambda: ()) -> None:
+    def __init__(self, known: dict[str, Iterable[torch.Tensor]] | None = None, grads=lambda: 0) -> None:
         super().__init__()
-        self.grads = grads  # () -> the storage keys of the gradients now
-        self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (weak ref, bytes, phase)
+        self.grads = grads
+        self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (weak ref, bytes, label)
+        self.by_label: dict[str, int] = {}
         self.total = 0
+        for label, tensors in (known or {}).items():
+            self.phase = label
+            for t in tensors:
+                self._note(t)
         self.phase = "known"
-        for t in known:
-            self._note(t)
-        self.peak = self.total
-        self.peak_op = None
-        self.peak_phase = "known"
-        self.peak_live = {key: (nbytes, phase) for key, (_, nbytes, phase) in self.live.items()}
-        self.peak_grads = set()
+        self.peak, self.peak_op, self.peak_phase, self.peak_grads = self.total, None, "known", 0
+        self.at_peak = dict(self.by_label)
+        self.peaks: dict[str, int] = {}
 
     def _note(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -135,29 +141,37 @@ class LiveBytes(TorchDispatchMode):
         if entry is not None:
             if not _expired(entry[0]):
                 return
-            _free(entry[0])
-            self.total -= entry[1]
+            self._drop(key, entry)
         nbytes = storage.nbytes()
         self.live[key] = (storage._weak_ref(), nbytes, self.phase)
         self.total += nbytes
+        self.by_label[self.phase] = self.by_label.get(self.phase, 0) + nbytes
+
+    def _drop(self, key: int, entry: tuple[int, int, str]) -> None:
+        _free(entry[0])
+        del self.live[key]
+        self.total -= entry[1]
+        self.by_label[entry[2]] -= entry[1]
 
     def _sweep(self) -> None:
-        for key, (ref, nbytes, _) in list(self.live.items()):
-            if _expired(ref):
-                _free(ref)
-                del self.live[key]
-                self.total -= nbytes
+        for key, entry in list(self.live.items()):
+            if _expired(entry[0]):
+                self._drop(key, entry)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in _output_tensors(out):
             self._note(t)
-        if self.total > self.peak:
+        phase_peak = self.peaks.get(self.phase, 0)
+        if self.total > phase_peak:
+            # the total counts storages freed since the last sweep: only above a peak does it matter
             self._sweep()
+            if self.total > phase_peak:
+                self.peaks[self.phase] = self.total
             if self.total > self.peak:
                 self.peak, self.peak_op, self.peak_phase = self.total, func, self.phase
-                self.peak_live = {key: (nbytes, phase) for key, (_, nbytes, phase) in self.live.items()}
-                self.peak_grads = set(self.grads()) if self.phase != "forward" else set()
+                self.at_peak = dict(self.by_label)
+                self.peak_grads = self.grads() if self.phase != "forward" else 0
         return out
 
     def close(self) -> None:
@@ -305,8 +319,16 @@ class Step:
         state = self._state()
         given = [t for t in _output_tensors(inputs) if not t.is_cpu or not self._on_meta()]
         trainable = self.trainable
-        live = LiveBytes((*weights, *state, *given),
-                         lambda: [_storage_key(p.grad) for p in trainable if p.grad is not None])  # fmt: skip
+
+        def grads() -> int:
+            live = {
+                _storage_key(p.grad): p.grad.untyped_storage().nbytes()
+                for p in trainable
+                if p.grad is not None
+            }
+            return sum(live.values())
+
+        live = LiveBytes({"weights": weights, "optimizer": state, "inputs": given}, grads)
         try:
             meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
             autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
@@ -326,18 +348,13 @@ class Step:
         finally:
             live.close()
             self.optimizer.zero_grad(set_to_none=True)
-        terms = dict.fromkeys(TERMS, 0)
-        kinds = (
-            ("weights", {_storage_key(t) for t in weights}),
-            ("optimizer", {_storage_key(t) for t in state}),
-            ("inputs", {_storage_key(t) for t in given}),
-            ("gradients", live.peak_grads),
-        )
-        for key, (nbytes, phase) in live.peak_live.items():
-            term = next((name for name, keys in kinds if key in keys), phase)
-            terms[term if term in terms else "forward"] += nbytes
+        terms = {key: live.at_peak.get(key, 0) for key in TERMS}
+        terms["gradients"] = live.peak_grads
+        terms["backward"] -= live.peak_grads
         return {
             "peak_bytes": live.peak,
+            # the peak of forward and backward, which grows with the tokens (the optimizer step's does not)
+            "activation_peak_bytes": max(live.peaks.get("forward", 0), live.peaks.get("backward", 0)),
             "terms": terms,
             "phase": live.peak_phase,
             "op": str(live.peak_op) if live.peak_op is not None else None,
@@ -378,14 +395,20 @@ def largest(peak, budget: int, step: int, cap: int) -> tuple[int, dict, int]:
     """(the largest multiple x of `step` in [step, cap] with peak(x)["peak_bytes"] <= budget, 0 where
     not even `step` fits; peak(x) there, or peak(step) where nothing fits; how many peaks it computed).
     peak must not decrease as x grows. Each guess is the secant through the two nearest points known,
-    rounded down to a multiple of `step` and kept inside the bracket (a step's peak is close to affine
-    in its sequence and its batch: four or five peaks answer)."""
+    rounded down to a multiple of `step` and kept inside the bracket, through peak(x)'s
+    "activation_peak_bytes" where it has them (forward's and backward's peak, close to affine in the
+    sequence and the batch; the optimizer step's, which does not grow, can make the whole peak flat):
+    four or five peaks answer."""
     known: dict[int, dict] = {}
 
-    def bytes_at(x: int) -> int:
+    def fits(x: int) -> bool:
         if x not in known:
             known[x] = peak(x)
-        return known[x]["peak_bytes"]
+        return known[x]["peak_bytes"] <= budget
+
+    def bytes_at(x: int) -> int:  # what the secant follows: the part of the peak that grows with x
+        fits(x)
+        return known[x].get("activation_peak_bytes", known[x]["peak_bytes"])
 
     def down(value: float) -> int:
         return int(value) // step * step
@@ -394,8 +417,8 @@ def largest(peak, budget: int, step: int, cap: int) -> tuple[int, dict, int]:
     # Two probes first, 16 and 32 steps (most answers lie beyond them, and a secant through the smallest
     # sizes extrapolates from fixed costs); the smallest size only where the first does not fit.
     first = min(cap, 16 * step)
-    if bytes_at(first) > budget:
-        if first == step or bytes_at(step) > budget:
+    if not fits(first):
+        if first == step or not fits(step):
             return 0, known[step], len(known)
         low, high = step, first
     else:
@@ -404,7 +427,7 @@ def largest(peak, budget: int, step: int, cap: int) -> tuple[int, dict, int]:
     while high is None:  # grow: extrapolate through the last two points that fit
         if x <= low:
             return low, known[low], len(known)
-        if bytes_at(x) > budget:
+        if not fits(x):
             high = x
             break
         before, low = low, x
@@ -412,7 +435,8 @@ def largest(peak, budget: int, step: int, cap: int) -> tuple[int, dict, int]:
             return low, known[low], len(known)
         slope = (bytes_at(low) - bytes_at(before)) / (low - before)
         guess = low + (budget - bytes_at(low)) / slope if slope > 0 else 2 * low
-        x = min(cap, max(low + step, down(guess)))
+        # at most 8 times as far: a peak still flat there (the gradients' end of backward) has no slope
+        x = min(cap, 8 * low, max(low + step, down(guess)))
     moved = None  # the end the last guess moved; where a secant moves the same end twice, it bisects
     while high - low > step:  # narrow: the secant through the bracket's ends
         rise = bytes_at(high) - bytes_at(low)
@@ -421,7 +445,7 @@ def largest(peak, budget: int, step: int, cap: int) -> tuple[int, dict, int]:
         else:
             guess = (low + high) / 2
         x = min(high - step, max(low + step, down(guess)))
-        side = "low" if bytes_at(x) <= budget else "high"
+        side = "low" if fits(x) else "high"
         low, high = (x, high) if side == "low" else (low, x)
         moved = "twice" if side == moved else side
     return low, known[low], len(known)
@@ -464,9 +488,9 @@ def _by(step: Step, searched: str, batch: int | None, seq: int | None, checkpoin
     return lambda x: step.peak(x, seq, checkpointing=checkpointing)
 
 
-def plan_step(config, batch: int | None, seq: int | None, *, recipes=tuple(RECIPES), rank: int = DEFAULT_RANK,
-              fits: int | str | None = None, device: str = "cuda", images: int | None = None,
-              image_size: int | None = None) -> dict:  # fmt: skip
+def plan_step(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_RECIPES,
+              rank: int = DEFAULT_RANK, fits: int | str | None = None, device: str = "cuda",
+              images: int | None = None, image_size: int | None = None) -> dict:  # fmt: skip
     """The peak of one training step of the model `config` describes (a config object or dict, or the
     path of a config JSON file), eager and after invact.patch(), without and with gradient
     checkpointing, for each recipe in `recipes` (RECIPES' names), predicted on the meta device.
