@@ -377,6 +377,8 @@ class _AsOnDevice(TorchFunctionMode):
         twins = self._as_on_device(func, args, kwargs)
         if twins is not None:
             args, kwargs = twins
+        if func in _GROUPED_MM and _meta_float32_grouped(*args, **kwargs):
+            return _MetaGroupedMM.apply(args[0], args[1])
         if func is not F.scaled_dot_product_attention or not args or not args[0].is_meta:
             return func(*args, **kwargs)
         q, k, v, mask, dropout, causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
@@ -395,6 +397,32 @@ class _AsOnDevice(TorchFunctionMode):
             return flash(q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
         self.kernels.add("math" if choice == torch.nn.attention.SDPBackend.MATH.value else str(choice))
         return func(*args, **kwargs)
+
+
+_GROUPED_MM = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
+
+
+def _meta_float32_grouped(a=None, b=None, *args, **kwargs) -> bool:
+    """A grouped matmul of float32 meta tensors, (tokens, in) by (experts, in, out), as transformers'
+    MoE experts run it with float32 weights (mixed precision: grouped_mm has no autocast rule), whose
+    meta kernel takes bf16 alone."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_meta and b.is_meta
+            and a.dtype == b.dtype == torch.float32 and a.dim() == 2 and b.dim() == 3)  # fmt: skip
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """A float32 grouped matmul on the meta device, shapes only: its output (tokens, out), both inputs
+    kept for backward, their gradients allocated there, as the CPU and CUDA kernels' autograd does."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(b)
 
 
 def _own_kinds(model: nn.Module) -> dict[nn.Module, str]:
