@@ -1,0 +1,151 @@
+"""invact.step_peak's predicted peaks against real CPU steps: LiveBytes' bookkeeping on plain CPU ops, the
+profiler measurement the comparison rests on, and each predicted peak (the meta device) against the
+profiler's peak of one real step of the same model, for the five architectures of
+benchmarks/step_plan.py, every recipe, eager and patched, without and with checkpointing, at one
+sequence length. The measuring helpers are benchmarks/step_plan.py's (the benchmark runs three
+sequence lengths and writes benchmarks/results/step_plan_cpu.{json,md})."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from invact.step_peak import RECIPES, LiveBytes
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import step_plan  # noqa: E402
+
+sys.path.pop(0)
+
+# The acceptance for invact.step_peak's predicted peak: within 5% of the measured one, and never more
+# than 2% below it (a plan that promises less than the step takes is the costly error). Measured by
+# benchmarks/step_plan.py on a 2-core Intel Xeon (AVX512), torch 2.13, transformers 5.24, 180 rows
+# (5 architectures x seq 128/256/512 x 3 recipes x eager/patched x checkpointing off/on): worst ratio
+# above 1 1.1180 (GPT-2, mixed, seq 128, patch() with checkpointing), worst below 1 0.8964 (GPT-2, LoRA,
+# seq 256, patch() with checkpointing); every eager row within 0.9998-1.0001; 9 rows outside, all
+# patched, those at this test's SEQ marked below (KNOWN) with their cause.
+ABOVE = 1.05
+BELOW = 0.98
+BATCH, SEQ = step_plan.BATCH, 256
+
+# (architecture, recipe, patched, checkpointing) -> why its prediction misses at SEQ (the ratio there)
+_ACCUMULATED = (
+    "two gradients of one tensor (the tied embedding's: the embedding's and the head's) meet in autograd's "
+    "input buffer: summed in place on a real CPU tensor, out of place on meta and under any dispatch mode "
+    "(at::isTensorSubclassLike), so the prediction holds one more fp32 16000 x 128 gradient (7.8 MiB)"
+)
+_ACTIVATION = (
+    "GPT-2's activation backward on a bf16 CPU tensor (invact.activation._numba._backward_any) holds fp32 "
+    "copies of y and dy and an fp32 dx before dx in bf16; on meta the op's fake kernel allocates the bf16 "
+    "dx alone (invact.activation.ops.plain_dx), 2 MiB less at seq 256"
+)
+KNOWN: dict[tuple, str] = {
+    ("gemma2", "mixed", True, True): f"1.059: {_ACCUMULATED}",
+    ("gpt2", "mixed", True, True): f"1.065: {_ACCUMULATED}",
+    ("gpt2", "bf16", True, True): f"0.935: {_ACTIVATION}",
+    ("gpt2", "lora", True, True): f"0.896: {_ACTIVATION}",
+}
+
+CASES = [
+    (name, recipe, patched, checkpointing)
+    for name in step_plan.ARCHITECTURES
+    for recipe in RECIPES
+    for patched in (False, True)
+    for checkpointing in (False, True)
+]
+
+
+def _param(case: tuple):
+    marks = (
+        [pytest.mark.xfail(reason=KNOWN[case], strict=True, raises=AssertionError)] if case in KNOWN else []
+    )
+    label = f"{case[0]}-{case[1]}-{'patched' if case[2] else 'eager'}-{'ckpt' if case[3] else 'nockpt'}"
+    return pytest.param(*case, marks=marks, id=label)
+
+
+@functools.lru_cache(maxsize=1)  # the cases run in CASES' order: each pair serves both checkpointing cases
+def _steps(name: str, recipe: str, patched: bool):
+    meta, real = step_plan.steps(step_plan.ARCHITECTURES[name], recipe)
+    if patched:
+        meta.patch()
+        real.patch()
+    return meta, real
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_steps():
+    yield
+    _steps.cache_clear()
+
+
+def test_live_bytes_follows_plain_cpu_ops():
+    w = torch.ones(100)  # 400 bytes, alive before
+    with LiveBytes({"weights": [w]}) as live:
+        live.phase = "forward"
+        a = torch.ones(1000)  # 4000 bytes: 4400 live
+        b = a * 2  # 4000: 8400 live, the peak
+        view = b.view(10, 100)  # b's storage: nothing new
+        del a  # 4400 live (noticed at the next sweep)
+        live.phase = "backward"
+        c = torch.empty(500)  # 2000: 6400 live, below the peak, though 10400 counting a
+    live.close()
+    assert live.peak == 400 + 4000 + 4000
+    assert live.peak_phase == "forward" and live.peak_op is torch.ops.aten.mul.Tensor
+    assert live.at_peak == {"weights": 400, "forward": 8000}
+    assert live.peaks == {"forward": 8400, "backward": 6400}
+    assert view.untyped_storage()._cdata == b.untyped_storage()._cdata and c.numel() == 500
+
+
+def test_live_bytes_peak_after_a_free_counts_only_what_is_alive():
+    with LiveBytes() as live:
+        live.phase = "forward"
+        a = torch.ones(1000)  # 4000
+        b = a * 2  # 8000
+        del a  # 4000
+        c = torch.empty(1500)  # 6000: 10000 live, the peak (not 14000: a is gone)
+    live.close()
+    assert live.peak == 4000 + 6000 and live.peak_op is torch.ops.aten.empty.memory_format
+    assert live.at_peak == {"forward": 10000}
+    assert b.numel() + c.numel() == 2500
+
+
+def test_profiled_peak_of_plain_cpu_ops():
+    # the measuring helper: the largest running sum of the allocator's allocations and frees (a + a, not
+    # a * 2: the allocator also sees the scalar wrapped as a tensor, 8 + 4 bytes inside aten::mul)
+    def run():
+        a = torch.ones(1000)  # 4000
+        b = a + a  # 8000, the peak
+        del a  # 4000
+        c = torch.empty(500)  # 6000
+        del b, c  # 0
+
+    measured = step_plan.profiled_peak(run)
+    assert measured["peak"] == 8000 and measured["end"] == 0
+    assert measured["at"][-1] == "aten::add"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, recipe, patched, checkpointing", [_param(case) for case in CASES])
+def test_predicted_peak_is_a_real_steps(name, recipe, patched, checkpointing):
+    if RECIPES[recipe].lora:
+        pytest.importorskip("peft")
+    meta, real = _steps(name, recipe, patched)
+    gc.collect()
+    predicted = meta.peak(BATCH, SEQ, checkpointing=checkpointing)
+    measured = step_plan.measure(real, BATCH, SEQ, checkpointing, dispatch=False)
+    ratio = predicted["peak_bytes"] / measured["measured_bytes"]
+    mib = {key: round(value / 2**20, 3) for key, value in predicted["terms"].items()}
+    assert BELOW <= ratio <= ABOVE, (
+        f"predicted {predicted['peak_bytes']} bytes, measured {measured['measured_bytes']} (ratio "
+        f"{ratio:.4f}); predicted peak in {predicted['phase']} at {predicted['op']}, terms (MiB) {mib}; "
+        f"measured peak in {measured['measured_at'][-3:]}"
+    )
+    assert measured["end_bytes"] == 0  # the real step leaves nothing allocated
