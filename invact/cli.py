@@ -1,6 +1,8 @@
 """The `invact` command (also `python -m invact`). `invact plan CONFIG.json --batch B --seq S`: what one
 training forward of a Hugging Face model saves for backward, eager and after invact.patch(), from its
-config alone, on the meta device (invact.planner). Bad input is one line on stderr, exit status 2."""
+config alone, on the meta device (invact.planner); with --fits SIZE, --step or --explain the peak of a
+whole training step and the longest sequence that fits (invact.step_peak). Bad input is one line on
+stderr, exit status 2."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ Run one training-mode forward of input_ids (batch, seq) (use_cache off; a model 
 labels also gets labels = input_ids, so its loss is computed as in a training step; a
 vision-language model also gets images) under invact's saved-tensor counter, once eager and once
 after invact.patch(model), and print what each saves for backward, per kind of module and in total,
-with patch()'s decisions."""
+with patch()'s decisions. With --fits SIZE, --step or --explain: the peak of a whole training step
+(weights, gradients, AdamW state, activations and what forward and backward allocate on the way),
+eager and patched, without and with checkpointing, per recipe, and with --fits the longest sequence
+(or largest batch) whose step fits in SIZE."""
 
 _PLAN_EPILOG = f"""\
 What the figures are: bytes autograd saves for backward in one training forward, what a real forward

@@ -1,0 +1,71 @@
+"""The step planner's committed results and the figures the README and docs quote from them:
+benchmarks/plan_fits.py (the longest sequence that fits) and benchmarks/step_plan.py (predicted
+against real CPU steps)."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+
+
+def _module(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _text(page: str) -> str:
+    return " ".join((ROOT / page).read_text().split())
+
+
+def test_the_fits_table_is_its_result_and_the_readmes():
+    result = json.loads((RESULTS / "plan_fits.json").read_text())
+    table = _module("plan_fits").table(result)
+    assert (RESULTS / "plan_fits.md").read_text() == table + "\n"
+    readme = (ROOT / "README.md").read_text()
+    assert table in readme
+
+
+def test_the_fits_timings_and_step_counts_quoted_are_the_results():
+    result = json.loads((RESULTS / "plan_fits.json").read_text())
+    seconds = {(p["model"], p["budget"]): p["seconds"] for p in result["plans"]}
+    peaks = [r["peaks"] for p in result["plans"] for r in p["rows"]]
+    readme = f"That took {seconds['Llama-3.2-1B', '24GiB']:.1f} s"
+    docs = [f"lands in {min(peaks)} to {max(peaks)} planned steps a row",
+            f"{seconds['Llama-3.2-1B', '24GiB']:.1f} s for the Llama-3.2-1B shape in 24 GiB",
+            f"{seconds['Llama-3.1-8B', '80GiB']:.1f} s for the Llama-3.1-8B shape in 80 GiB"]  # fmt: skip
+    assert readme in _text("README.md")
+    assert not [f for f in docs if f not in _text("docs/patching.md")]
+
+
+def test_the_fits_table_answers_every_row_within_its_budget():
+    result = json.loads((RESULTS / "plan_fits.json").read_text())
+    for plan in result["plans"]:
+        for row in plan["rows"]:
+            if row["seq"]:
+                assert row["peak_bytes"] <= plan["fits_bytes"], (plan["model"], row)
+
+
+def test_the_step_plan_table_and_its_quoted_figures_are_the_result():
+    result = json.loads((RESULTS / "step_plan_cpu.json").read_text())
+    assert (RESULTS / "step_plan_cpu.md").read_text() == _module("step_plan").table(result) + "\n"
+    rows = [r for r in result["rows"] if r["ratio"] is not None]
+    eager = [r["ratio"] for r in rows if not r["patched"]]
+    inside = sum(1 for r in rows if 0.98 <= r["ratio"] <= 1.05)
+    exact = sum(1 for r in rows if r["predicted_bytes"] == r["measured_bytes"])
+    ratios = [r["ratio"] for r in rows]
+    figures = [
+        f"{min(eager):.4f}-{max(eager):.4f}",
+        f"{inside} of {len(result['rows'])} within 0.98-1.05",
+    ]
+    docs = figures + [f"{exact} of the {len(result['rows'])} rows", f"{max(ratios):.3f} high",
+                      f"down to {min(ratios):.3f}"]  # fmt: skip
+    for page, shown in (("README.md", figures), ("docs/patching.md", docs)):
+        missing = [f for f in shown if f not in _text(page)]
+        assert not missing, f"{page} does not show {missing}"
