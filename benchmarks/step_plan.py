@@ -149,27 +149,9 @@ def profiled_peak(fn) -> dict:
 
 def _dispatch_peak(step, given: dict) -> int:
     """The peak invact.step_peak.LiveBytes follows on one real step of `step` (the predictor's own
-    counting on real tensors)."""
-    from invact.step_peak import LiveBytes
-
-    known = [t for t in given.values() if isinstance(t, torch.Tensor)]
-    weights = [*step.model.parameters(), *step.model.buffers()]
-    live = LiveBytes({"weights": weights, "optimizer": step._state(), "inputs": known})
+    counting on real tensors: Step.follow)."""
     gc.collect()
-    try:
-        with live:
-            live.phase = "forward"
-            with step._region():
-                loss = step.model(**given).loss
-            live.phase = "backward"
-            loss.backward()
-            del loss
-            live.phase = "step"
-            step.optimizer.step()
-            step.optimizer.zero_grad(set_to_none=True)
-    finally:
-        live.close()
-    return live.peak
+    return step.follow(given).peak
 
 
 def measure(step, batch: int, seq: int, checkpointing: bool, dispatch: bool = True) -> dict:

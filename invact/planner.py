@@ -168,6 +168,18 @@ def build_config(data: dict):
         raise PlanError(f"transformers cannot build a {model_type!r} config: {_one_line(e)}") from None
 
 
+def load_config(config) -> tuple:
+    """(the transformers config of `config`: a config object, a config dict, or the path of a config
+    JSON file or of a folder holding config.json; the path as given, or None)."""
+    path = None
+    if isinstance(config, (str, os.PathLike)):
+        path = str(config)
+        config = read_config(config)
+    if isinstance(config, dict):
+        config = build_config(config)
+    return config, path
+
+
 def _auto_classes(config) -> list:
     """The transformers auto classes build_model tries, in order: the image-text-to-text class for a
     config with a vision tower, the sequence-to-sequence LM for an encoder-decoder (the class with the
@@ -872,12 +884,7 @@ def plan_memory(
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise PlanError(f"{name} must be a positive integer, got {value!r}")
     torch_dtype = parse_dtype(dtype)
-    path = None
-    if isinstance(config, (str, os.PathLike)):
-        path = str(config)
-        config = read_config(config)
-    if isinstance(config, dict):
-        config = build_config(config)
+    config, path = load_config(config)
     model, attention = build_model(config, torch_dtype)
     model.train()
     parameters = inspect.signature(model.forward).parameters

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import warnings
 from collections.abc import Iterable
@@ -48,9 +47,8 @@ from invact.planner import (
     PlanError,
     _output_tensors,
     _values_as_on_device,
-    build_config,
     build_model,
-    read_config,
+    load_config,
     training_inputs,
 )
 
@@ -254,11 +252,7 @@ class Step:
             raise PlanError(f"the LoRA rank must be a positive integer, got {rank!r}")
         self.rank = rank
         if model is None:
-            if isinstance(config, str):
-                config = read_config(config)
-            if isinstance(config, dict):
-                config = build_config(config)
-            model, self.attention = build_model(config, self.recipe.dtype)
+            model, self.attention = build_model(load_config(config)[0], self.recipe.dtype)
         else:
             self.attention = getattr(model.config, "_attn_implementation", None)
         self.base = model
@@ -306,29 +300,18 @@ class Step:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def peak(self, batch: int, seq: int, *, checkpointing: bool = False) -> dict:
-        """The peak live bytes of one training step at input_ids (batch, seq), and its terms:
-        {peak_bytes, terms: {TERMS key: bytes live at the peak}, phase (where the peak is: "forward",
-        "backward" or "step"), op (the aten op that allocated last before it)}."""
-        if checkpointing:
-            _enable_checkpointing(self.base, self.autocast.contexts if self.autocast is not None else None)
-        else:
-            _disable_checkpointing(self.base)
-        inputs = self.inputs(batch, seq)
+    def follow(self, inputs: dict) -> LiveBytes:
+        """One training step on `inputs` (as run()) under a LiveBytes, on the meta device under the
+        planner's modes (and autocast's, for a mixed recipe): the LiveBytes, closed, with its peak."""
         weights = [*self.model.parameters(), *self.model.buffers()]
-        state = self._state()
         given = [t for t in _output_tensors(inputs) if not t.is_cpu or not self._on_meta()]
         trainable = self.trainable
 
         def grads() -> int:
-            live = {
-                _storage_key(p.grad): p.grad.untyped_storage().nbytes()
-                for p in trainable
-                if p.grad is not None
-            }
-            return sum(live.values())
+            storages = [p.grad.untyped_storage() for p in trainable if p.grad is not None]
+            return sum({s._cdata: s.nbytes() for s in storages}.values())
 
-        live = LiveBytes({"weights": weights, "optimizer": state, "inputs": given}, grads)
+        live = LiveBytes({"weights": weights, "optimizer": self._state(), "inputs": given}, grads)
         try:
             meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
             autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
@@ -348,6 +331,17 @@ class Step:
         finally:
             live.close()
             self.optimizer.zero_grad(set_to_none=True)
+        return live
+
+    def peak(self, batch: int, seq: int, *, checkpointing: bool = False) -> dict:
+        """The peak live bytes of one training step at input_ids (batch, seq), and its terms:
+        {peak_bytes, terms: {TERMS key: bytes live at the peak}, phase (where the peak is: "forward",
+        "backward" or "step"), op (the aten op that allocated last before it)}."""
+        if checkpointing:
+            _enable_checkpointing(self.base, self.autocast.contexts if self.autocast is not None else None)
+        else:
+            _disable_checkpointing(self.base)
+        live = self.follow(self.inputs(batch, seq))
         terms = {key: live.at_peak.get(key, 0) for key in TERMS}
         terms["gradients"] = live.peak_grads
         terms["backward"] -= live.peak_grads
@@ -465,16 +459,6 @@ def _positions(config) -> int:
     return SEQ_CAP
 
 
-def _config(config):
-    path = None
-    if isinstance(config, (str, os.PathLike)):
-        path = str(config)
-        config = read_config(config)
-    if isinstance(config, dict):
-        config = build_config(config)
-    return config, path
-
-
 def _check_positive(**values) -> None:
     for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -520,7 +504,7 @@ def plan_step(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_REC
         batch = 1 if searched == "seq" and batch is None else batch
     elif batch is None or seq is None:
         raise PlanError("give --batch and --seq, or --fits with one of them")
-    config, path = _config(config)
+    config, path = load_config(config)
     cap = (_positions(config) if searched == "seq" else BATCH_CAP) if searched else None
     rows, model_class = [], None
     for name in recipes:
