@@ -12,7 +12,9 @@ keep it alive exactly as they keep a real storage alive). The live total rises b
 when an op first returns it and falls when its last reference goes. The mode checks the weak
 references only when the total (stale entries included, so never below the true total) would pass
 the peak so far: a step of a 16-layer model checks a few hundred times, not at each of its ops.
-Storage bytes are the bytes a tensor asks for (an allocator rounds up: CUDA's caching allocator to
+Where autograd sums two gradients of one tensor it adds in place in a plain step, out of place under a
+dispatch mode: LiveBytes counts such a sum as in place (LiveBytes._summed_in_place). Storage bytes
+are the bytes a tensor asks for (an allocator rounds up: CUDA's caching allocator to
 512 bytes), and what a kernel allocates inside itself without an op (a workspace) is not seen.
 
 Recipes (RECIPES): "bf16", the model and AdamW's state in bf16; "mixed", fp32 weights and AdamW state,
@@ -52,6 +54,7 @@ from invact.planner import (
     training_inputs,
 )
 
+_ADD = torch.ops.aten.add.Tensor
 _expired = torch.UntypedStorage._expired
 _free = torch.UntypedStorage._free_weak_ref
 
@@ -157,9 +160,12 @@ class LiveBytes(TorchDispatchMode):
                 self._drop(key, entry)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        summed = self._summed_in_place(func, args, kwargs) if self.phase == "backward" else None
         out = func(*args, **(kwargs or {}))
         for t in _output_tensors(out):
             self._note(t)
+        if summed is not None:
+            self._moved(summed, out)
         phase_peak = self.peaks.get(self.phase, 0)
         if self.total > phase_peak:
             # the total counts storages freed since the last sweep: only above a peak does it matter
@@ -171,6 +177,39 @@ class LiveBytes(TorchDispatchMode):
                 self.at_peak = dict(self.by_label)
                 self.peak_grads = self.grads() if self.phase != "forward" else 0
         return out
+
+    @staticmethod
+    def _summed_in_place(func, args, kwargs) -> torch.Tensor | None:
+        """The gradient autograd would add another into in place, where this call is that sum.
+
+        Autograd sums two gradients of one tensor (its input buffer) in place, into the one only the
+        buffer holds, a dense tensor of the sum's shape and dtype; on the meta device and under any
+        dispatch mode (this one) it adds them out of place (torch/csrc/autograd/input_buffer.cpp,
+        can_accumulate_inplace: a tensor there is "subclass-like"), which would hold one more
+        gradient: a tied embedding's, vocabulary x hidden, where its two gradients meet. Taken as
+        that sum: add.Tensor of two tensors of one shape, dtype and contiguous layout, without alpha,
+        while backward runs, the first (else the second) held once (its storage's use count 2: its
+        tensor and the storage asked for here)."""
+        if func is not _ADD or kwargs or len(args) != 2:
+            return None
+        a, b = args
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return None
+        if a.dtype != b.dtype or not (a.is_contiguous() and b.is_contiguous()):
+            return None
+        for t in (a, b):
+            if t._base is None and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2:
+                return t
+        return None
+
+    def _moved(self, into: torch.Tensor, out) -> None:
+        """`out` took `into`'s place (an in-place sum): `into`'s bytes leave the total now."""
+        entry = self.live.get(_storage_key(into))
+        if entry is not None and isinstance(out, torch.Tensor) and out.untyped_storage().nbytes() == entry[1]:
+            _free(entry[0])
+            del self.live[_storage_key(into)]
+            self.total -= entry[1]
+            self.by_label[entry[2]] -= entry[1]
 
     def close(self) -> None:
         """Drops the weak references (each keeps its StorageImpl's shell)."""
