@@ -13,7 +13,9 @@ is registered for its aten op) and, for "cpu", against torch.autocast's dtypes o
 - FP32: floating arguments cast to float32.
 - FP32_DTYPE: run with dtype=float32 where no dtype is given (the op reads its 16-bit input and
   writes float32, without a float32 copy of the input).
-Ops autocast only promotes (cat, stack: the widest dtype among the inputs) are left as they are.
+Ops autocast only promotes (cat, stack: the widest dtype among the inputs) are left as they are, and
+so are the two activation functions with autocast rules (the runtime names no activation: each is the
+spec's; transformers' language models use neither).
 
 While it is enabled, torch.is_autocast_enabled("meta"), torch.get_autocast_dtype("meta") and
 invact.mlp's check answer as autocast on the device would, so invact's ops take their autocast
@@ -30,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 _MATMULS = frozenset({"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm",
                       "addbmm", "scaled_dot_product_attention", "conv1d", "conv2d", "conv3d",
-                      "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu",
+                      "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                       "vecdot"})  # fmt: skip
 LOWER = {
     "cuda": _MATMULS | {"einsum", "addmv", "addr", "mv", "chain_matmul"},
@@ -42,7 +44,7 @@ _LOSSES = frozenset({"nll_loss", "mse_loss", "binary_cross_entropy_with_logits",
 FP32 = {
     "cuda": _LOSSES | {
         "layer_norm", "group_norm", "rms_norm", "exp", "log", "log10", "log2", "log1p", "expm1", "pow",
-        "__pow__", "__rpow__", "rsqrt", "reciprocal", "erfinv", "softplus", "logsumexp", "cosh", "sinh",
+        "__pow__", "__rpow__", "rsqrt", "reciprocal", "erfinv", "logsumexp", "cosh", "sinh",
         "tan", "acos", "asin", "dist", "renorm",
         # F.cross_entropy: CUDA's rules are on the log_softmax (FP32_DTYPE) and nll_loss inside it, which
         # read a 16-bit input without a float32 copy; cast here (Hugging Face's losses upcast first)
