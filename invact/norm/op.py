@@ -395,6 +395,14 @@ def _lean_backward(dy, y, rstd, weight, bias, v: Variant, x_dtype, needs, kernel
 _PLAIN = (torch.Tensor, nn.Parameter)  # not a subclass of either (a fake or functional tensor, DTensor)
 
 
+def _serial_vector(t, d: int) -> bool:
+    """None, or what the small serial backward may read d floats from by address: a plain,
+    contiguous fp32 CPU tensor of d elements (a weight or a bias)."""
+    return t is None or (
+        type(t) in _PLAIN and t.is_cpu and t.dtype is torch.float32 and t.numel() == d and t.is_contiguous()
+    )
+
+
 def _small(dy, y, rstd, weight, bias) -> bool:
     """invact.norm._cpu.backward_small serves a lean backward of these tensors (_lean holds): all fp32
     and contiguous, of the sizes the kernel reads at their addresses, and numba installed."""
@@ -412,26 +420,8 @@ def _small(dy, y, rstd, weight, bias) -> bool:
         and y.dtype is torch.float32
         and dy.dtype is torch.float32
         and rstd.dtype is torch.float32
-        and (
-            weight is None
-            or (
-                type(weight) in _PLAIN
-                and weight.is_cpu
-                and weight.dtype is torch.float32
-                and weight.numel() == d
-                and weight.is_contiguous()
-            )
-        )
-        and (
-            bias is None
-            or (
-                type(bias) in _PLAIN
-                and bias.is_cpu
-                and bias.dtype is torch.float32
-                and bias.numel() == d
-                and bias.is_contiguous()
-            )
-        )
+        and _serial_vector(weight, d)
+        and _serial_vector(bias, d)
         and y.is_contiguous()
         and dy.is_contiguous()
         and rstd.is_contiguous()
