@@ -16,7 +16,8 @@ reading its byte(s) of bits as they are and noting its far elements, whose piece
 elsewhere one polynomial in g whose coefficients each element selects by its bit, each thread first
 unpacking its span's bits into a buffer in cache and running a branch's far piece on every 16-element
 block that has an element past its split. Half-precision
-tensors are converted to fp32 around it (numba has no bf16). Every kernel is compiled with
+tensors go through fp32 buffers of FP32_BLOCK elements around it (numba has no bf16: fp32_blocks).
+Every kernel is compiled with
 cache=True: the first call on a machine compiles them (about 5 s on a 2-core machine), later
 processes load them from numba's disk cache; benchmarks/speed.py reports both first calls.
 
@@ -291,7 +292,7 @@ def _flags(y: torch.Tensor, bits: torch.Tensor, precision_bit: bool) -> np.ndarr
 
 def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
              ) -> torch.Tensor:  # fmt: skip
-    """_backward_any, where fp32 y, dy and packed bits of one span run its serial function straight,
+    """backward_any, where fp32 y, dy and packed bits of one span run its serial function straight,
     without keeps_torch_threads (nothing parallel runs there), given the tensors' addresses (the table
     views' span_bits_at: no numpy array per argument): a small layer's cost is host time."""
     kernels = act.__dict__.get("_numba_kernels")
@@ -312,44 +313,96 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
         bits = bits.contiguous()
         kernels.span_bits_at(y.data_ptr(), bits.data_ptr(), dy.data_ptr(), dx.data_ptr(), y.numel())
         return dx
-    return _backward_any(act, y, bits, dy, precision_bit)
+    return backward_any(act, y, bits, dy, precision_bit)
 
 
 @keeps_torch_threads
-def _backward_any(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
-                  ) -> torch.Tensor:  # fmt: skip
-    """dx = dy * q(y, bit) for flat CPU tensors, or contiguous ones of one shape (dx then in y's).
-    The bits come packed (`bits`, uint8, LSB first) or, in precision-bit mode, as y's own integer
-    view, whose lowest bit is the branch bit; neither for a monotone activation. Packed bits go to
-    the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a buffer that
-    stays in cache). Up to one span (SERIAL) the span's serial function runs on this thread: the
-    function the parallel kernel calls on its one span."""
+def backward_any(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Tensor, precision_bit: bool
+                 ) -> torch.Tensor:  # fmt: skip
+    """dx = dy * q(y, bit) for flat CPU tensors, or contiguous ones of one shape (dx then in y's, in
+    dy's dtype). The bits come packed (`bits`, uint8, LSB first) or, in precision-bit mode, as y's
+    own integer view, whose lowest bit is the branch bit; neither for a monotone activation. Packed
+    bits go to the kernel as they are (`backward_kernel_bits`: each thread unpacks its span's into a
+    buffer that stays in cache). Up to one span (SERIAL) the span's serial function runs on this
+    thread: the function the parallel kernel calls on its one span.
+
+    The kernels read and write fp32 (numba has no bf16): an operand in another dtype goes through an
+    fp32 buffer of at most FP32_BLOCK elements (fp32_blocks). On the meta device (invact plan's step,
+    planned for a CPU: invact._meta) the same tensors are allocated and no kernel runs."""
     if getattr(act.cpu, "backward_kernel", None) is None:
         # an emitted activation whose numba view did not import (invact.loader warns): torch's ops
         return _portable.backward(act, y, bits, dy, precision_bit)
-    if y.numel() > SERIAL:  # the parallel kernels below
+    if y.numel() > SERIAL and not y.is_meta:  # the parallel kernels below
         _follow_torch_threads()
-    y32 = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
-    dy32 = dy if dy.dtype == torch.float32 and dy.is_contiguous() else dy.float().contiguous()
-    dx32 = torch.empty_like(y32)
-    arrays = y32.numpy().ravel(), dy32.numpy().ravel(), dx32.numpy().ravel()  # contiguous: views
+    dx = torch.empty(y.shape, dtype=dy.dtype, device=y.device)
+    for start, y32, dy32, dx32 in fp32_blocks(y.reshape(-1), dy.reshape(-1), dx.view(-1)):
+        if not y.is_meta:
+            _kernel(act, y, start, y32, bits, dy32, dx32, precision_bit)
+    return dx
+
+
+# Elements per block of fp32 buffers (fp32_blocks) for a backward whose y, dy or dx is not fp32:
+# 12 bytes per element of them live at once, besides dx, rather than whole fp32 copies of y and dy
+# and an fp32 dx (a bf16 backward held 14 bytes per element, where torch's own allocates dx's 2). A
+# multiple of 8 (whole bytes of packed bits) and of the kernels' span (_SPAN, 2**16): 16 spans, so
+# up to 16 threads share each block. Smaller buffers also stay out of fresh pages: measured on a
+# 2-core Intel Xeon (AVX-512), 2 threads, bf16 backward, blocks of 2**20 against one block of the
+# whole tensor, GELU (tanh) 28.4 against 91.1 ms at 2**24 elements and 6.5 against 8.1 ms at 2**22;
+# SiLU 38.0 against 86.5 and 6.7 against 8.5 ms; up to 2**20 elements (one block either way) 1.5 to
+# 1.6 ms both. Blocks of 2**17, 2**18 and 2**19 took 2 to 19% longer than 2**20 at 2**22 and 2**24
+# elements (another run of the same).
+FP32_BLOCK = 2**20
+
+
+def fp32_blocks(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor):
+    """(start, y32, dy32, dx32) for each block of at most FP32_BLOCK elements of the flat tensors y,
+    dy and dx: a fp32 operand's own elements (a view), any other's in an fp32 buffer, y's and dy's
+    converted into it before the block is yielded, dx's copied out of it (rounded to dx's dtype) once
+    the caller is done with the block. One buffer per converted operand for all blocks."""
+    n = y.numel()
+    size = min(n, FP32_BLOCK)
+    buffers = [None if t.dtype is torch.float32 else torch.empty(size, device=t.device) for t in (y, dy, dx)]
+    y = y.contiguous()  # flat already (the callers' layout), contiguous but for a rare stride
+    dy = dy.contiguous()
+    for start in range(0, n, size) if n else ():
+        stop = min(n, start + size)
+        y32, dy32, dx32 = (
+            t[start:stop] if b is None else b[: stop - start]
+            for t, b in zip((y, dy, dx), buffers, strict=True)
+        )
+        if buffers[0] is not None:
+            y32.copy_(y[start:stop])
+        if buffers[1] is not None:
+            dy32.copy_(dy[start:stop])
+        yield start, y32, dy32, dx32
+        if buffers[2] is not None:
+            dx[start:stop].copy_(dx32)
+
+
+def _kernel(act: Activation, y: torch.Tensor, start: int, y32, bits, dy32, dx32, precision_bit: bool) -> None:
+    """The backward kernel on one block: y32, dy32 and dx32 its fp32 operands (contiguous), from
+    element `start` of y (whose own dtype picks the 16-bit q, and whose integer view holds the
+    precision bits) and of the packed `bits` (whole bytes: start is a multiple of FP32_BLOCK)."""
+    n = y32.numel()
+    y = y.reshape(-1)[start : start + n]
+    bits = bits if precision_bit or act.monotone else bits.contiguous()[start // 8 : (start + n + 7) // 8]
+    arrays = y32.numpy(), dy32.numpy(), dx32.numpy()  # contiguous 1-D: views
     if y.dtype in SIXTEEN_BIT and act.has_16bit_q:  # the 16-bit q the GPU kernels evaluate
         kernel = act.cpu.backward16_kernel  # one flag per element (Activation.q16, codegen.half)
         if act.monotone:
             kernel(*arrays)
         else:
             kernel(arrays[0], _flags(y, bits, precision_bit), arrays[1], arrays[2])
-        return dx32.to(dy.dtype)
+        return
     k = kernels_of(act)
-    serial = y32.numel() <= k.span  # 0 where the view has no span function
+    serial = n <= k.span  # 0 where the view has no span function
     if act.monotone:
         (k.span_flags if serial else k.flags)(*arrays)
     elif precision_bit:
         (k.span_flags if serial else k.flags)(arrays[0], _flags(y, bits, True), arrays[1], arrays[2])
     elif not serial:
-        k.bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
+        k.bits(arrays[0], bits.numpy(), arrays[1], arrays[2])
     elif k.span_bits is not None:
-        k.span_bits(arrays[0], bits.contiguous().numpy(), arrays[1], arrays[2])
+        k.span_bits(arrays[0], bits.numpy(), arrays[1], arrays[2])
     else:  # the polynomial's span function reads one flag per element (0 or 1)
         k.span_flags(arrays[0], _flags(y, bits, False), arrays[1], arrays[2])
-    return dx32 if dy.dtype == torch.float32 else dx32.to(dy.dtype)

@@ -19,6 +19,7 @@ import torch
 
 from invact._budget import _transforms_active, traces_custom_ops
 from invact._layout import flat, like, shaped_like
+from invact._meta import stands_for
 from invact._traced import trace_as
 from invact.activation import _bits, _float64, _numba, _portable
 from invact.activation.activations import ACTIVATIONS, Activation
@@ -219,10 +220,22 @@ def _eager_backward_of(activation: str, precision_bit: bool, y, bits, dy):
         act = ACTIVATIONS[activation]
         dx = _portable.backward(act, flat(y), bits, flat(like(dy, y)), precision_bit)
         return shaped_like(dx, y), None, None
-    # On the meta device (shapes only: `invact plan`) the op's fake kernel gives dx: the float64
-    # backward's Newton iterations read values, which meta tensors have none of.
-    backward = torch.ops.invact.backward if torch.is_grad_enabled() or y.is_meta else _backward_impl
+    if y.is_meta and not torch.is_grad_enabled():
+        return _meta_backward(ACTIVATIONS[activation], precision_bit, y, bits, dy), None, None
+    backward = torch.ops.invact.backward if torch.is_grad_enabled() else _backward_impl
     return backward(dy, y, bits, activation, precision_bit), None, None
+
+
+def _meta_backward(act: Activation, precision_bit: bool, y, bits, dy) -> torch.Tensor:
+    """dx on the meta device (shapes only: `invact plan`), allocating what the backward on the device
+    type the plan is for allocates (invact._meta): on a CPU the numba backend's (its fp32 blocks,
+    where y or dy is not fp32) or the portable one's, in its own torch ops; elsewhere, and in float64
+    (whose Newton iterations read values), the op's fake kernel: dx alone, as Triton's kernels write it."""
+    if stands_for() == "cpu" and y.dtype != torch.float64:
+        backward = _numba.backward_any if _numba.available() else _portable.backward
+        dx = backward(act, flat(y), bits, flat(like(dy, y)), precision_bit)
+        return shaped_like(dx.view(-1), y)
+    return torch.ops.invact.backward(dy, y, bits, act.name, precision_bit)
 
 
 def direct_backward(function: type) -> type:
