@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import invact
 from invact._autocast import Autocast
-from invact.loss import op as loss_op
+from invact._meta import standing_for
 from invact.planner import (
     PlanError,
     _output_tensors,
@@ -222,22 +222,6 @@ class LiveBytes(TorchDispatchMode):
 DEVICES = ("cuda", "cpu")
 
 
-@contextlib.contextmanager
-def _as_on(device: str):
-    """invact's loss computes its vocabulary blocks on the meta device at `device`'s block size
-    (invact.loss.op.BLOCK_BYTES: 256 MiB of fp32 logits on CUDA, 4 MiB on CPU)."""
-    blocks = loss_op.BLOCK_BYTES
-    before = blocks.get("meta")
-    blocks["meta"] = blocks[device]
-    try:
-        yield
-    finally:
-        if before is None:
-            del blocks["meta"]
-        else:
-            blocks["meta"] = before
-
-
 def _enable_checkpointing(model: nn.Module, context_fn=None) -> None:
     """Hugging Face's gradient checkpointing as training code turns it on (transformers 5:
     activation_checkpointing_enable; before: gradient_checkpointing_enable), torch's non-reentrant
@@ -354,7 +338,7 @@ class Step:
         try:
             meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
             autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
-            with meta, _as_on(self.device), autocast, live:
+            with meta, standing_for(self.device), autocast, live:
                 live.phase = "forward"
                 with self._region():
                     loss = self.model(**inputs).loss

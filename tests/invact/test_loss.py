@@ -797,3 +797,51 @@ def test_a_peft_model_of_no_task_type_takes_the_loss_in_either_order(order):
     out = wrapped(input_ids=ids, labels=labels)
     _on_demand(out, want)
     assert abs(out.loss - want.loss) <= HF_BOUND * abs(want.loss)
+
+
+@pytest.mark.parametrize("needs", ["hidden and weight", "weight alone"])
+def test_on_cpu_no_fp32_block_is_alive_at_a_16bit_matmul(monkeypatch, needs):
+    """The blocked backward in bf16 on CPU multiplies each block's 16-bit gradient by the hidden states
+    (the weight gradient) after the block's fp32 softmax is freed: a 16-bit matmul on CPU allocates
+    scratch memory inside itself (oneDNN's), which would otherwise add to the fp32 block at the peak."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(loss_op, "BLOCK_BYTES", {"cpu": 7 * 4 * ROWS, "cuda": 7 * 4 * ROWS})
+    monkeypatch.setattr(loss_op, "MIN_COLUMNS", 1)
+    h, w, _, t = _case(0)
+    h = h.to(torch.bfloat16).requires_grad_(needs == "hidden and weight")
+    w = w.to(torch.bfloat16).requires_grad_()
+    loss = L.linear_cross_entropy(h, w, t)
+
+    class Watch(TorchDispatchMode):
+        """Weak references to every fp32 tensor of a block's shape (rows x 2 to 7 columns: a one-column
+        tensor is per row); at each 16-bit matmul, how many of them are alive."""
+
+        blocks: list = []
+        alive_at_16bit_mm: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                if any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+                    self.alive_at_16bit_mm.append(
+                        sum(not torch.UntypedStorage._expired(r) for r in self.blocks)
+                    )
+            out = func(*args, **(kwargs or {}))
+            block = (
+                isinstance(out, torch.Tensor)
+                and out.dim() == 2
+                and out.shape[0] == ROWS
+                and 1 < out.shape[1] <= 7
+            )
+            if block and out.dtype == torch.float32:
+                self.blocks.append(out.untyped_storage()._weak_ref())
+            return out
+
+    watch = Watch()
+    with watch:
+        loss.backward()
+    blocks = len(watch.blocks)
+    for ref in watch.blocks:
+        torch.UntypedStorage._free_weak_ref(ref)
+    assert blocks and len(watch.alive_at_16bit_mm) >= w.shape[0] // 7  # one weight-gradient matmul per block
+    assert not any(watch.alive_at_16bit_mm)
