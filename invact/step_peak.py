@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import invact
 from invact._autocast import Autocast
 from invact._meta import standing_for
+from invact._meta_outputs import MetaOutputs
 from invact.planner import (
     PlanError,
     _output_tensors,
@@ -120,9 +121,11 @@ class LiveBytes(TorchDispatchMode):
     live gradients, allocated in backward: counted under "backward" too). `peaks`: {phase: the peak
     while it ran}, each exact (a phase's peak below the overall one is followed too)."""
 
-    def __init__(self, known: dict[str, Iterable[torch.Tensor]] | None = None, grads=lambda: 0) -> None:
+    def __init__(self, known: dict[str, Iterable[torch.Tensor]] | None = None, grads=lambda: 0,
+                 outputs: MetaOutputs | None = None) -> None:  # fmt: skip
         super().__init__()
         self.grads = grads
+        self.outputs = outputs  # a meta step's ops, called through it (invact._meta_outputs)
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (weak ref, bytes, label)
         self.by_label: dict[str, int] = {}
         self.total = 0
@@ -161,7 +164,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         summed = self._summed_in_place(func, args, kwargs) if self.phase == "backward" else None
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs) if self.outputs is None else self.outputs(func, args, kwargs)
         for t in _output_tensors(out):
             self._note(t)
         if summed is not None:
@@ -293,6 +297,8 @@ class Step:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.patched = False
+        # the meta ops' outputs by signature, for every step this Step follows (invact._meta_outputs)
+        self._outputs = MetaOutputs()
 
     def patch(self) -> None:
         invact.patch(self.model)
@@ -334,7 +340,8 @@ class Step:
             storages = [p.grad.untyped_storage() for p in trainable if p.grad is not None]
             return sum({s._cdata: s.nbytes() for s in storages}.values())
 
-        live = LiveBytes({"weights": weights, "optimizer": self._state(), "inputs": given}, grads)
+        outputs = self._outputs if self._on_meta() else None
+        live = LiveBytes({"weights": weights, "optimizer": self._state(), "inputs": given}, grads, outputs)
         try:
             meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
             autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
