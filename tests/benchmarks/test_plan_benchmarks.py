@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
@@ -69,3 +71,18 @@ def test_the_step_plan_table_and_its_quoted_figures_are_the_result():
     for page, shown in (("README.md", figures), ("docs/patching.md", docs)):
         missing = [f for f in shown if f not in _text(page)]
         assert not missing, f"{page} does not show {missing}"
+
+
+@pytest.mark.parametrize("guess", [128, 1000, 4096, 5000, 5120, 9000, 40000])
+@pytest.mark.parametrize("limit", [100, 128, 5000, 5120, 8191, 32768, 10**6])
+def test_the_gpu_checks_bisection_finds_the_last_multiple_that_fits(guess, limit):
+    """benchmarks/step_plan_gpu.py's boundary, which each real step on a GPU costs a probe of: from any
+    guess, the largest multiple of 128 up to the cap (32768) that fits, 0 where none does."""
+    boundary = _module("step_plan_gpu").boundary
+    multiple, cap = 128, 32768
+    found, probes = boundary(lambda x: x <= limit, guess, multiple, cap)
+    assert found == (min(limit, cap) // multiple * multiple if limit >= multiple else 0)
+    # the bracket's steps of a tenth of the guess (at least one multiple), then a bisection
+    stride = max(multiple, int(guess * 0.1) // multiple * multiple)
+    steps = abs(min(limit, cap) - guess) // stride + 2
+    assert probes <= steps + max(1, stride // multiple).bit_length() + 1, probes
