@@ -345,12 +345,12 @@ def backward_any(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch
 # 12 bytes per element of them live at once, besides dx, rather than whole fp32 copies of y and dy
 # and an fp32 dx (a bf16 backward held 14 bytes per element, where torch's own allocates dx's 2). A
 # multiple of 8 (whole bytes of packed bits) and of the kernels' span (_SPAN, 2**16): 16 spans, so
-# up to 16 threads share each block. Smaller buffers also stay out of fresh pages: measured on a
-# 2-core Intel Xeon (AVX-512), 2 threads, bf16 backward, blocks of 2**20 against one block of the
-# whole tensor, GELU (tanh) 28.4 against 91.1 ms at 2**24 elements and 6.5 against 8.1 ms at 2**22;
-# SiLU 38.0 against 86.5 and 6.7 against 8.5 ms; up to 2**20 elements (one block either way) 1.5 to
-# 1.6 ms both. Blocks of 2**17, 2**18 and 2**19 took 2 to 19% longer than 2**20 at 2**22 and 2**24
-# elements (another run of the same).
+# up to 16 threads share each block. Smaller buffers also stay out of fresh pages: measured by
+# benchmarks/cpu_fp32_block.py (results/cpu_fp32_block_cpu.json: a 2-core Intel Xeon, AVX-512, 2
+# threads, bf16, two activations of the spec), blocks of 2**20 against one block of the whole tensor
+# took 31.0 and 38.9 ms against 93.9 and 90.2 ms at 2**24 elements, 7.4 and 7.2 against 8.4 and 7.8
+# ms at 2**22; up to 2**20 elements one block either way. Blocks of 2**17, 2**18 and 2**19 took 2 to
+# 19% longer than 2**20 at 2**22 and 2**24 elements (the same machine, an earlier script's run).
 FP32_BLOCK = 2**20
 
 
