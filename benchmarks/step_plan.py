@@ -86,22 +86,22 @@ ARCHITECTURES: dict[str, dict] = {
 ABOVE, BELOW = 1.05, 0.98
 
 
-def steps(config: dict, recipe: str):
-    """(the meta Step of `config` for `recipe`, planned as on CPU; the real one: the causal LM of the
-    same config (the class the meta Step built, invact.planner.build_model's choice) on CPU in the
-    recipe's dtype, seeded, with the attention implementation the meta Step chose)."""
+def steps(config: dict, recipe: str, device: str = "cpu"):
+    """(the meta Step of `config` for `recipe`, planned as on `device`; the real one: the causal LM of
+    the same config (the class the meta Step built, invact.planner.build_model's choice) on `device`
+    in the recipe's dtype, seeded, with the attention implementation the meta Step chose)."""
     import transformers
 
     from invact.planner import build_config
     from invact.step_peak import RECIPES, Step
 
     transformers.utils.logging.set_verbosity_error()
-    meta = Step(dict(config), recipe, device="cpu")
+    meta = Step(dict(config), recipe, device=device)
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(
         build_config(dict(config)), dtype=RECIPES[recipe].dtype, attn_implementation=meta.attention
-    )
-    real = Step(None, recipe, model=model, device="cpu")
+    ).to(device)
+    real = Step(None, recipe, model=model, device=device)
     assert type(real.base) is type(meta.base) and real.attention == meta.attention, (
         real.base,
         real.attention,
@@ -110,9 +110,11 @@ def steps(config: dict, recipe: str):
 
 
 def inputs(step, batch: int, seq: int) -> dict:
-    """A training step's inputs for the real `step`: seeded random input_ids, labels the same tensor."""
+    """A training step's inputs for the real `step`: seeded random input_ids on its model's device,
+    labels the same tensor."""
     vocab = step.base.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(SEED))
+    ids = ids.to(next(step.base.parameters()).device)
     return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 

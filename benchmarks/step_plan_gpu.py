@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import torch
+from step_plan import inputs, steps
 
 from timing import RESULTS, device_name, device_slug, version, write_result
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "llama-3.2-1b-shaped.json"
-SEED = 0
 # The acceptance: predicted within 5% of max_memory_allocated, the longest sequence within 10% of the
 # real boundary.
 PEAK_WITHIN = 0.05
@@ -42,29 +42,6 @@ LONGEST_WITHIN = 0.10
 BRACKET = 0.10
 
 
-def real_step(config: dict, recipe: str):
-    """The Step of a real model of `config` on CUDA for `recipe` (random weights, seeded, in the recipe's
-    dtype, with the attention implementation the meta Step chooses)."""
-    import transformers
-
-    from invact.planner import build_config
-    from invact.step_peak import RECIPES, Step
-
-    transformers.utils.logging.set_verbosity_error()
-    meta = Step(dict(config), recipe, device="cuda")
-    torch.manual_seed(SEED)
-    model = transformers.AutoModelForCausalLM.from_config(
-        build_config(dict(config)), dtype=RECIPES[recipe].dtype, attn_implementation=meta.attention
-    ).to("cuda")
-    return meta, Step(None, recipe, model=model, device="cuda")
-
-
-def inputs(step, seq: int) -> dict:
-    vocab = step.base.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(SEED)).to("cuda")
-    return {"input_ids": ids, "labels": ids, "use_cache": False}
-
-
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -72,7 +49,7 @@ def _free() -> None:
 
 def measured_peak(step, seq: int) -> int:
     """max_memory_allocated() over one real step at (1, seq), after a warm-up step."""
-    given = inputs(step, seq)
+    given = inputs(step, 1, seq)
     step.run(given)
     torch.cuda.synchronize()
     _free()
@@ -85,7 +62,7 @@ def measured_peak(step, seq: int) -> int:
 def runs(step, seq: int) -> bool:
     """A real step at (1, seq) completes within the allocator's limit (no OutOfMemoryError)."""
     try:
-        step.run(inputs(step, seq))
+        step.run(inputs(step, 1, seq))
         torch.cuda.synchronize()
         return True
     except torch.cuda.OutOfMemoryError:
@@ -141,7 +118,7 @@ def boundary(fits, guess: int, multiple: int, cap: int) -> tuple[int, int]:
 def compare(config: dict, recipe: str, seqs, budget: int, report=print):
     from invact.step_peak import SEQ_MULTIPLE, largest
 
-    meta, real = real_step(config, recipe)
+    meta, real = steps(config, recipe, device="cuda")
     cap = getattr(meta.base.config.get_text_config(), "max_position_embeddings", None) or 2**17
     total = torch.cuda.get_device_properties(0).total_memory
     for patched in (False, True):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from invact.planner import _output_tensors
+
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
@@ -61,16 +63,6 @@ def _template(value, storages: set):
     if isinstance(value, _PLAIN):
         return (object, value)
     raise _NoKey
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return _tensors(list(value.values()))
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _build(template):
@@ -124,7 +116,7 @@ class MetaOutputs:
             self.known[key] = True
             return out
         # the inputs' storages: an output in one is a view whatever the schema says (_unsafe_view's)
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        inputs = {t.untyped_storage()._cdata for t in _output_tensors((args, kwargs))}
         try:
             self.known[key] = _template(out, inputs)
         except _NoKey:

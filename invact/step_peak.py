@@ -208,12 +208,10 @@ class LiveBytes(TorchDispatchMode):
 
     def _moved(self, into: torch.Tensor, out) -> None:
         """`out` took `into`'s place (an in-place sum): `into`'s bytes leave the total now."""
-        entry = self.live.get(_storage_key(into))
+        key = _storage_key(into)
+        entry = self.live.get(key)
         if entry is not None and isinstance(out, torch.Tensor) and out.untyped_storage().nbytes() == entry[1]:
-            _free(entry[0])
-            del self.live[_storage_key(into)]
-            self.total -= entry[1]
-            self.by_label[entry[2]] -= entry[1]
+            self._drop(key, entry)
 
     def close(self) -> None:
         """Drops the weak references (each keeps its StorageImpl's shell)."""
