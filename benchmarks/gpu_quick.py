@@ -43,6 +43,7 @@ LLAMA_SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
 LOSS_1B = (4096, 2048, 128256)  # tokens, hidden, vocabulary: Llama-3.2-1B's head at 4096 tokens
 LOSS_SMALL = (64, 32, 3000)
 VARIANTS = ("eager", "patch", "compile", "compile_patch")
+PARTS = ("step", "loss", "host", "profile", "steps")
 
 
 def _sync(device: str) -> None:
@@ -128,42 +129,150 @@ def llama_step(config: dict, batch: int, seq: int, device: str, dtype, rounds: i
     return row
 
 
+def _matmuls(h, w) -> dict:
+    """The head + loss's three (tokens x hidden x vocab) products alone, on a made-up logit gradient:
+    the logits h W^T, d h = d W and d W = d^T h (the floor a head + loss's time is held against)."""
+    d = torch.randn(h.shape[0], w.shape[0], device=h.device, dtype=h.dtype)
+    hd, wd = h.detach(), w.detach()
+    return {"matmul logits": lambda: F.linear(hd, wd), "matmul dh": lambda: torch.mm(d, wd),
+            "matmul dW": lambda: torch.mm(d.t(), hd)}  # fmt: skip
+
+
 def loss_row(tokens: int, hidden: int, vocab: int, device: str, dtype, rounds: int) -> dict:
-    """Part 2: head + loss, eager against invact (and torch's chunked F.linear_cross_entropy where the
-    installed torch has it), forward + backward ms (median of interleaved rounds), held MiB after the
-    forward, GFLOP/s of the matmuls (eager 3, invact 4 of 2 N H V each)."""
+    """Part 2: head + loss, eager against invact, each also under torch.compile (and torch's chunked
+    F.linear_cross_entropy where the installed torch has it), forward + backward ms (median of
+    interleaved rounds) against the three matmuls' floor measured in the same rounds, held MiB after the
+    forward, TFLOP/s of the three matmuls each does."""
     from loss_time import _held_after_forward, _inputs
 
     from invact.loss import linear_cross_entropy
 
     h, w, t = _inputs(tokens, hidden, vocab, dtype, device)
-    variants = {"eager": lambda: F.cross_entropy(F.linear(h, w).float(), t),
-                "invact": lambda: linear_cross_entropy(h, w, t)}  # fmt: skip
+
+    def eager_loss(h, w, t):
+        return F.cross_entropy(F.linear(h, w).float(), t)
+
+    variants = {"eager": eager_loss, "invact": linear_cross_entropy,
+                "eager compiled": torch.compile(eager_loss),
+                "invact compiled": torch.compile(linear_cross_entropy)}  # fmt: skip
     if hasattr(F, "linear_cross_entropy"):
-        variants["torch chunked"] = lambda: F.linear_cross_entropy(h, w, t)
+        variants["torch chunked"] = F.linear_cross_entropy
 
     def step(fn):
         h.grad = w.grad = None
-        fn().backward()
+        fn(h, w, t).backward()
 
-    held = {k: _held_after_forward(lambda h_, w_, t_, fn=fn: fn(), h, w, t) for k, fn in variants.items()}
-    for fn in variants.values():
-        step(fn)
-    times = {k: [] for k in variants}
-    for _ in range(rounds):
-        for k, fn in variants.items():
-            times[k].append(_wall_ms(lambda fn=fn: step(fn), 1, device))
+    held = {k: _held_after_forward(fn, h, w, t) for k, fn in variants.items()}
+    calls = {k: (lambda fn=fn: step(fn)) for k, fn in variants.items()} | _matmuls(h, w)
+    for fn in calls.values():
+        fn()
+    times = {k: [] for k in calls}
+    for r in range(rounds):
+        order = list(calls)
+        for k in order[r % len(order) :] + order[: r % len(order)]:
+            times[k].append(_wall_ms(calls[k], 1, device))
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    floor = ms["matmul logits"] + ms["matmul dh"] + ms["matmul dW"]
     matmul = 2 * tokens * hidden * vocab
-    out = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "variants": {}}
-    out["kernels"] = top_kernels(lambda: step(variants["invact"]), device)
-    out["blocks"] = block_sweep(lambda: step(variants["invact"]), tokens, device, rounds)
-    for k, v in times.items():
-        ms = statistics.median(v)
-        flops = (4 if k == "invact" else 3) * matmul
-        eager_ms = statistics.median(times["eager"])
-        out["variants"][k] = {"ms": ms, "ratio_to_eager": ms / eager_ms, "tflops": flops / ms / 1e9,
+    out = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "floor_ms": floor, "variants": {},
+           "matmuls": {k: {"ms": ms[k], "tflops": matmul / ms[k] / 1e9} for k in _matmuls(h, w)}}  # fmt: skip
+    out["kernels"] = top_kernels(calls["invact"], device)
+    for k in variants:
+        out["variants"][k] = {"ms": ms[k], "ratio_to_eager": ms[k] / ms["eager"],
+                              "ratio_to_floor": ms[k] / floor, "tflops": 3 * matmul / ms[k] / 1e9,
                               "held_after_forward_mib": held[k] / 2**20}  # fmt: skip
     return out
+
+
+# The real-shape steps (part 5): configs in benchmarks/configs, the layers kept, the batch.
+STEP_MODELS = {"Llama-3.2-1B-shaped, 8 layers": ("llama-3.2-1b-shaped.json", 8),
+               "Qwen2.5-0.5B-shaped, 8 layers": ("qwen2.5-0.5b-shaped.json", 8)}  # fmt: skip
+STEP_SHAPE = (4, 2048)  # 8192 tokens a step
+STEP_SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, vocab_size=3000)  # fmt: skip
+STEP_VARIANTS = ("eager", "patch", "compile", "compile+patch")
+
+
+def _step_model(name: str, small: bool, device: str, dtype):
+    import transformers
+
+    from invact.planner import load_config
+
+    file, layers = STEP_MODELS[name]
+    config, _ = load_config(str(Path(__file__).parent / "configs" / file))
+    config.num_hidden_layers = 2 if small else layers
+    if small:
+        for k, v in STEP_SMALL.items():
+            setattr(config, k, v)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(device, dtype).train()
+
+
+def _step_row(name: str, variant: str, small: bool, device: str, dtype, steps: int) -> dict:
+    """One model in one variant (step_rows)."""
+    import invact
+
+    batch, seq = (2, 32) if small else STEP_SHAPE
+    model = _step_model(name, small, device, dtype)
+    if "patch" in variant:
+        invact.patch(model)
+    run = torch.compile(model) if "compile" in variant else model
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        run(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    _sync(device)
+    first = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = [_wall_ms(step, 1, device) for _ in range(steps)]
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    with torch.no_grad():
+        loss = run(input_ids=ids, labels=ids).loss.item()
+    return {"model": name, "variant": variant, "ms": statistics.median(times), "peak_bytes": peak,
+            "warmup_s": first, "loss": loss, "tokens": batch * seq}  # fmt: skip
+
+
+def step_rows(small: bool, device: str, dtype, steps: int) -> list[dict]:
+    """Part 5: whole training steps (forward with labels, loss, backward, AdamW, grads to None) of each
+    STEP_MODELS model in each variant, one variant at a time: median ms of `steps` synchronized steps
+    after 3 warm-up steps (compilation among them), and the allocator's peak bytes over those steps
+    (weights, gradients and AdamW's state included)."""
+    rows = []
+    for name in STEP_MODELS:
+        for variant in STEP_VARIANTS:
+            rows.append(_step_row(name, variant, small, device, dtype, steps))
+            gib = (rows[-1]["peak_bytes"] or 0) / 2**30
+            print(f"  {name} {variant}: {rows[-1]['ms']:.1f} ms, peak {gib:.2f} GiB", flush=True)
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def steps_report(rows: list[dict]) -> str:
+    """Part 5's markdown: per model, each variant's ms and peak, with the ratios the issue's bars name."""
+    lines = ["| model | variant | ms | x base | peak GiB | x base peak |", "|---|---|---|---|---|---|"]
+    by = {(r["model"], r["variant"]): r for r in rows}
+    bases = {"patch": "eager", "compile+patch": "compile"}
+    for r in rows:
+        base = by.get((r["model"], bases.get(r["variant"], "")))
+        peak = r["peak_bytes"] or 0
+        ratio = f"{r['ms'] / base['ms']:.2f}x {bases[r['variant']]}" if base else ""
+        pratio = f"{peak / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] else ""
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['ms']:.1f} | {ratio} | {peak / 2**30:.2f} | {pratio} |"
+        )
+    return "\n".join(lines)
 
 
 def top_kernels(step, device: str, top: int = 10) -> list[dict]:
@@ -182,41 +291,24 @@ def top_kernels(step, device: str, top: int = 10) -> list[dict]:
     return [{"name": e.key[:90], "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events]
 
 
-# invact.loss's block sizes tried (bytes of one block's fp32 logits): the CUDA figure is measured here.
-BLOCK_SWEEP = (16 * 2**20, 64 * 2**20, 256 * 2**20, 1024 * 2**20)
-
-
-def block_sweep(step, tokens: int, device: str, rounds: int) -> list[dict]:
-    """invact's head + loss step at each of BLOCK_SWEEP's block sizes (median ms of `rounds`)."""
-    from invact.loss import op as loss  # where block_columns reads BLOCK_BYTES
-
-    kind = "cuda" if device == "cuda" else "cpu"
-    before = loss.BLOCK_BYTES[kind]
-    rows = []
-    try:
-        for size in BLOCK_SWEEP:
-            loss.BLOCK_BYTES[kind] = size
-            step()
-            ms = statistics.median(_wall_ms(step, 1, device) for _ in range(rounds))
-            rows.append({"block_bytes": size, "columns": size // (4 * tokens), "ms": ms})
-    finally:
-        loss.BLOCK_BYTES[kind] = before
-    return rows
-
-
 def report(result: dict) -> str:
-    """The whole check's markdown: parts 1 to 4."""
-    lines = [
-        f"gpu-quick on {result['device']} (torch {result['torch']}, triton {result['triton']}, host "
-        f"{result['cpu']}), {result['dtype']}",
-        "",
-        llama_report(result),
-    ]
-    lines += ["", loss_report(result["loss"])]
-    lines += ["", "Host microseconds per forward + backward (host_time.py's setups)", "",
-              host_time.table(result["host"])]  # fmt: skip
-    lines += ["", "Compiled + patch() 8B-shaped step: top host costs (profiler)", "",
-              host_time.profile_table(result["profile"])]  # fmt: skip
+    """The whole check's markdown: the parts the result holds."""
+    lines = [f"gpu-quick on {result['device']} (torch {result['torch']}, triton {result['triton']}, host "
+             f"{result['cpu']}), {result['dtype']}"]  # fmt: skip
+    if "llama" in result:
+        lines += ["", llama_report(result)]
+    if "loss" in result:
+        lines += ["", loss_report(result["loss"])]
+    if "host" in result:
+        lines += ["", "Host microseconds per forward + backward (host_time.py's setups)", "",
+                  host_time.table(result["host"])]  # fmt: skip
+    if "profile" in result:
+        lines += ["", "Compiled + patch() 8B-shaped step: top host costs (profiler)", "",
+                  host_time.profile_table(result["profile"])]  # fmt: skip
+    if "steps" in result:
+        b, s = STEP_SHAPE
+        lines += ["", f"Whole training steps, batch {b} x seq {s}, bf16, AdamW (median ms; allocator peak)",
+                  "", steps_report(result["steps"])]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -237,24 +329,37 @@ def llama_report(result: dict) -> str:
 
 
 def loss_report(loss: dict) -> str:
-    """Part 2's markdown: the variants' table, invact's block-size sweep and top device events."""
+    """Part 2's markdown: the variants' table (against the three matmuls' floor where the result has
+    it), invact's block-size sweep (results written before the loss went chunked) and top device
+    events."""
     lines = []
     shape = f"{loss['tokens']} x {loss['hidden']} x {loss['vocab']}"
-    lines += ["", f"Head + loss, {shape}, forward + backward", "",
-              "| variant | ms | x eager | TFLOP/s | held after forward MiB |",
-              "|---|---|---|---|---|"]  # fmt: skip
-    for k, v in loss["variants"].items():
-        lines.append(f"| {k} | {v['ms']:.2f} | {v['ratio_to_eager']:.2f} | {v['tflops']:.0f} | "
-                     f"{v['held_after_forward_mib']:.1f} |")  # fmt: skip
-    if "blocks" not in loss:  # a result written before the sweep was part of the script
+    if "floor_ms" in loss:
+        lines += ["", f"Head + loss, {shape}, forward + backward; its three matmuls alone "
+                  f"{loss['floor_ms']:.2f} ms", "",
+                  "| variant | ms | x eager | x three matmuls | TFLOP/s | held after forward MiB |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for k, v in loss["variants"].items():
+            lines.append(f"| {k} | {v['ms']:.2f} | {v['ratio_to_eager']:.2f} | {v['ratio_to_floor']:.2f} | "
+                         f"{v['tflops']:.0f} | {v['held_after_forward_mib']:.1f} |")  # fmt: skip
+    else:
+        lines += ["", f"Head + loss, {shape}, forward + backward", "",
+                  "| variant | ms | x eager | TFLOP/s | held after forward MiB |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for k, v in loss["variants"].items():
+            lines.append(f"| {k} | {v['ms']:.2f} | {v['ratio_to_eager']:.2f} | {v['tflops']:.0f} | "
+                         f"{v['held_after_forward_mib']:.1f} |")  # fmt: skip
+    if "blocks" in loss:
+        lines += [
+            "",
+            "invact's head + loss by block size: "
+            + ", ".join(
+                f"{b['block_bytes'] >> 20} MiB ({b['columns']} columns) {b['ms']:.2f} ms"
+                for b in loss["blocks"]
+            ),
+        ]
+    if "kernels" not in loss:
         return "\n".join(lines)
-    lines += [
-        "",
-        "invact's head + loss by block size: "
-        + ", ".join(
-            f"{b['block_bytes'] >> 20} MiB ({b['columns']} columns) {b['ms']:.2f} ms" for b in loss["blocks"]
-        ),
-    ]
     lines += [
         "",
         "invact's head + loss, top device events: "
@@ -310,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--loss-only", action="store_true",
                         help="part 2 alone (head + loss): results/gpu_quick_loss_<device>.json")  # fmt: skip
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="the parts to run (default all): " + ", ".join(PARTS))  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be positive")
@@ -325,23 +432,34 @@ def main(argv: list[str] | None = None) -> int:
         result = {**_header(device, args.rounds), "loss": loss}
         print(loss_report(loss))
         return _write_checked(result, "gpu_quick_loss", device, args.out)
-    print("part 1: Llama-shaped step", flush=True)
-    llama = llama_step(config, *shape, device, dtype, args.rounds, calls)
-    print(f"  {time.perf_counter() - t0:.0f} s; part 2: head + loss", flush=True)
-    loss = loss_row(*(LOSS_SMALL if args.small else LOSS_1B), device, dtype, args.rounds)
-    print(f"  {time.perf_counter() - t0:.0f} s; part 3: host time per op kind", flush=True)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    host_calls = 20 if args.small else 100
-    pairs = host_time.setups(device, 4)
-    if not args.small:  # --small: eager only (host_time.py's own check compiles every setup)
-        pairs += host_time.setups(device, 4, compiled=True)
-    host = host_time.interleaved(pairs, host_calls, max(args.rounds, 3), sync)
-    print(f"  {time.perf_counter() - t0:.0f} s; part 4: profile", flush=True)
-    profile = host_time.top_host_costs(llama.pop("steps")["compile_patch"], calls)
-    result = {**_header(device, args.rounds),
-              "llama_shape": f"batch {shape[0]}, seq {shape[1]}, {config['num_hidden_layers']} layers",
-              "llama_config": config, "llama": llama, "loss": loss, "host": host, "profile": profile,
-              "seconds": time.perf_counter() - t0}  # fmt: skip
+    parts, result = set(args.parts), _header(device, args.rounds)
+    llama = None
+    if parts & {"step", "profile"}:
+        print("part 1: Llama-shaped step", flush=True)
+        llama = llama_step(config, *shape, device, dtype, args.rounds, calls)
+        result |= {"llama_shape": f"batch {shape[0]}, seq {shape[1]}, {config['num_hidden_layers']} layers",
+                   "llama_config": config, "llama": llama}  # fmt: skip
+    if "loss" in parts:
+        print(f"  {time.perf_counter() - t0:.0f} s; part 2: head + loss", flush=True)
+        result["loss"] = loss_row(*(LOSS_SMALL if args.small else LOSS_1B), device, dtype, args.rounds)
+    if "host" in parts:
+        print(f"  {time.perf_counter() - t0:.0f} s; part 3: host time per op kind", flush=True)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        host_calls = 20 if args.small else 100
+        pairs = host_time.setups(device, 4)
+        if not args.small:  # --small: eager only (host_time.py's own check compiles every setup)
+            pairs += host_time.setups(device, 4, compiled=True)
+        result["host"] = host_time.interleaved(pairs, host_calls, max(args.rounds, 3), sync)
+    if llama is not None:
+        steps = llama.pop("steps")
+        if "profile" in parts:
+            print(f"  {time.perf_counter() - t0:.0f} s; part 4: profile", flush=True)
+            result["profile"] = host_time.top_host_costs(steps["compile_patch"], calls)
+        del steps
+    if "steps" in parts:
+        print(f"  {time.perf_counter() - t0:.0f} s; part 5: whole training steps at real shapes", flush=True)
+        result["steps"] = step_rows(args.small, device, dtype, 3 if args.small else 8)
+    result["seconds"] = time.perf_counter() - t0
     print()
     print(report(result))
     return _write_checked(result, "gpu_quick", device, args.out)

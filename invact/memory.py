@@ -91,6 +91,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+# The attribute that marks a saved tensor as a parameter's gradient computed in the forward (count_saved).
+EARLY_GRADIENT = "_invact_early_gradient"
+
+
 class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
     """Context manager: counts every distinct storage autograd saves inside it, parameters and
     buffers of `model` excluded. `report` (a MemoryReport) is filled in on exit."""
@@ -102,8 +106,12 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
         self.report = MemoryReport()
 
     def _counts(self, t: torch.Tensor) -> bool:
-        """Whether t's storage counts: not empty, not a parameter's or buffer's."""
-        return bool(t.untyped_storage().nbytes()) and storage_id(t) not in self._excluded
+        """Whether t's storage counts: not empty, not a parameter's or buffer's, not a parameter's
+        gradient an op computed in its forward and saved for its backward to scale (invact.loss's
+        weight gradient, EARLY_GRADIENT: the step holds it from the backward's first op anyway, as
+        the parameter's .grad, so it is no activation memory)."""
+        return (bool(t.untyped_storage().nbytes()) and storage_id(t) not in self._excluded
+                and not getattr(t, EARLY_GRADIENT, False))  # fmt: skip
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()

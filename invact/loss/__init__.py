@@ -321,11 +321,13 @@ def _keep(module: nn.Module, name: str, value, compiling: bool) -> None:
 
 
 def _take(module: nn.Module, name: str, compiling: bool):
-    """module.name, removed from the module (None where it has none): _keep's counterpart."""
+    """module.name, removed from the module (None where it has none): _keep's counterpart. Under
+    compile set to None, not deleted: Dynamo before torch 2.13 breaks the graph at a getattr of an
+    attribute deleted in the same trace (_disarm takes what HeadLoss took), so fullgraph=True raised."""
     if compiling:
         value = getattr(module, name, None)
         if value is not None:
-            delattr(module, name)
+            setattr(module, name, None)
         return value
     return module.__dict__.pop(name, None)
 

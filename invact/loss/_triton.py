@@ -1,23 +1,19 @@
-"""The head + loss's passes over a block of logits on CUDA (invact.loss): one kernel per pass.
+"""The head + loss's pass over a chunk of logits on CUDA (invact.loss.op): one kernel, a program per row.
 
-Measured on an H200 (bf16, 4096 tokens x hidden 2048 x vocabulary 128256, blocks of 4096 columns):
-torch's elementwise ops over each block (the fp32 copy, the log-sum-exp, the exp, the one-hot
-subtraction, the scaling, the cast back) took 12.6 ms of a 34.5 ms step, the four matrix products
-11.1 ms. Here each block is read once and, in backward, written once:
-
-- forward: per row, the block's transformed logits folded into the running log-sum-exp (online:
-  max, then the sum of exp rescaled), the logit at the row's target where it falls in the block, and
-  with label smoothing their sum;
-- backward: per row, d = (softmax - (1 - eps) onehot - eps / vocab) * dtransform * scale, written
-  over the block's logits in their dtype (the matrix products that follow read d in that dtype, as
-  invact.loss's torch path casts it).
+Each row holds the logits of its token over the whole vocabulary (in the matmul's dtype). Pass 1 reads
+the row once: its transformed logits folded into a log-sum-exp online (a running max and a sum of exp
+rescaled as the max grows), and with label smoothing their sum; the logit at the target is read alone.
+The row's loss is stored (fp32). Pass 2, where a gradient is wanted, reads the row again and writes
+d = (softmax - (1 - eps) onehot - eps / vocab) * dtransform * scale over it in its dtype, the input of
+the two matmuls that follow (d h = d W, d W += d^T h). Two reads and one write of each element: on an
+H200 (bf16, 4096 x 128256 logits; benchmarks/results/loss_floor_h200.json) the first version, which
+reduced every block of a row as it went, ran at 2209 GB/s counting those bytes.
 
 The transform is the model's scalar steps around at most one tanh (Gemma's soft-cap c tanh(z / c),
 Cohere's and Granite's scales): pre-op, tanh, post-op, each a multiply or a divide (a divide, not a
 multiply by the reciprocal: the model's own rounding). tanh is 1 - 2 / (exp(2x) + 1) (libdevice's
 is not available under TRITON_INTERPRET=1, how CI runs these kernels on CPU tensors). Other
-transforms, and heads with a bias (whose gradient needs the block's column sums), take the torch
-path.
+transforms take the torch path (invact.loss.op._rows_torch).
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import triton
 import triton.language as tl
 
 NONE, MUL, DIV = 0, 1, 2
-COLUMNS = 1024  # columns a program reads at a time
 
 
 def plan(ops: tuple) -> tuple[int, float, bool, int, float] | None:
@@ -77,85 +72,84 @@ def _transformed(base, cols, inside, PRE: tl.constexpr, pre_value, TANH: tl.cons
 
 
 @triton.jit
-def _forward_kernel(z_ptr, t_ptr, lse_ptr, picked_ptr, total_ptr, columns, stride, start,
-                    PRE: tl.constexpr, pre_value, TANH: tl.constexpr, POST: tl.constexpr, post_value,
-                    SMOOTH: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _rows_kernel(z_ptr, t_ptr, scale_ptr, loss_ptr, columns, stride, smoothing, spread, factor,
+                 PRE: tl.constexpr, pre_value, TANH: tl.constexpr, POST: tl.constexpr, post_value,
+                 SMOOTH: tl.constexpr, GRAD: tl.constexpr, LANES: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """One row of whole-vocabulary logits: its loss, then (GRAD) its gradient written over it."""
     row = tl.program_id(0)
     base = z_ptr + row.to(tl.int64) * stride
-    target = tl.load(t_ptr + row) - start
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], tl.float32)
-    picked = tl.zeros([], tl.float32)
-    total = tl.zeros([], tl.float32)
+    target = tl.load(t_ptr + row)
+    # the logit at the target, read once (the same fp32 steps as the passes take)
+    at = target + tl.arange(0, 1)
+    picked, _ = _transformed(base, at, at >= 0, PRE, pre_value, TANH, POST, post_value)
+    picked = tl.sum(picked, axis=0)
+    # pass 1, the log-sum-exp online: LANES keeps a running max and sum per lane, reduced across lanes
+    # once at the end (2 exp per element, no reduction per step); else each step reduces its block
+    if LANES:
+        m = tl.full([BLOCK], -3.0e38, tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+    else:
+        m = tl.full([], -3.0e38, tl.float32)
+        s = tl.zeros([], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
     for c0 in range(0, columns, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         inside = cols < columns
         v, _ = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
-        picked += tl.sum(tl.where(cols == target, v, 0.0), axis=0)
         if SMOOTH:
-            total += tl.sum(tl.where(inside, v, 0.0), axis=0)
-        v = tl.where(inside, v, float("-inf"))
-        m_new = tl.maximum(m, tl.max(v, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(v - m_new), axis=0)
+            total += tl.where(inside, v, 0.0)
+        # masked lanes hold a finite floor, not -inf: exp(floor - floor) = 1 is harmless where it is
+        # scaled by exp(floor - max) = 0 at the end, where exp(-inf - -inf) would be nan
+        v = tl.where(inside, v, -3.0e38)
+        if LANES:
+            m_new = tl.maximum(m, v)
+            s = s * tl.exp(m - m_new) + tl.exp(v - m_new)
+        else:
+            m_new = tl.maximum(m, tl.max(v, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(v - m_new), axis=0)
         m = m_new
-    lse = m + tl.log(s)
-    if FIRST:
-        tl.store(lse_ptr + row, lse)
-        tl.store(picked_ptr + row, picked)
-        if SMOOTH:
-            tl.store(total_ptr + row, total)
+    if LANES:
+        top = tl.max(m, axis=0)
+        lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
     else:
-        old = tl.load(lse_ptr + row)
-        top = tl.maximum(old, lse)
-        tl.store(lse_ptr + row, top + tl.log(tl.exp(old - top) + tl.exp(lse - top)))
-        tl.store(picked_ptr + row, tl.load(picked_ptr + row) + picked)
-        if SMOOTH:
-            tl.store(total_ptr + row, tl.load(total_ptr + row) + total)
+        lse = m + tl.log(s)
+    loss = lse - picked
+    if SMOOTH:  # F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - tl.sum(total, axis=0) / columns)
+    tl.store(loss_ptr + row, loss)
+    if GRAD:  # pass 2: d = (softmax - (1 - eps) onehot - eps / vocab) * dtransform * scale
+        scale = tl.load(scale_ptr + row) * factor
+        for c0 in range(0, columns, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            inside = cols < columns
+            v, slope = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
+            p = tl.exp(v - lse) - tl.where(cols == target, 1.0 - smoothing, 0.0) - spread
+            if TANH:
+                p = p * slope
+            tl.store(base + cols, (p * scale).to(z_ptr.dtype.element_ty), mask=inside)
 
 
-@triton.jit
-def _backward_kernel(z_ptr, t_ptr, lse_ptr, scale_ptr, columns, stride, start, smoothing, spread, factor,
-                     PRE: tl.constexpr, pre_value, TANH: tl.constexpr, POST: tl.constexpr, post_value,
-                     BLOCK: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0)
-    base = z_ptr + row.to(tl.int64) * stride
-    target = tl.load(t_ptr + row) - start
-    lse = tl.load(lse_ptr + row)
-    scale = tl.load(scale_ptr + row) * factor
-    for c0 in range(0, columns, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        inside = cols < columns
-        v, slope = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
-        p = tl.exp(v - lse) - tl.where(cols == target, 1.0 - smoothing, 0.0) - spread
-        if TANH:
-            p = p * slope
-        tl.store(base + cols, (p * scale).to(z_ptr.dtype.element_ty), mask=inside)
+# The kernel's launch: columns a row's program reads at a time, its warps, and whether it keeps per-lane
+# running sums (LANES) or reduces each step.
+CONFIG = {"BLOCK": 2048, "num_warps": 8, "LANES": True}
 
 
-def forward_block(z, t, lse, picked, total, start: int, ops: tuple, first: bool) -> None:
-    """Fold the block z (rows, columns: the logits of vocabulary columns start...) into the running
-    per-row lse, picked and (label smoothing) total, fp32 (rows,); `first`: they are written, not
-    read."""
-    pre, pre_value, tanh, post, post_value = plan(ops)
-    rows, columns = z.shape
-    _forward_kernel[(rows,)](
-        z, t, lse, picked, total if total is not None else lse, columns, z.stride(0), start,
-        PRE=pre, pre_value=pre_value, TANH=tanh, POST=post, post_value=post_value,
-        SMOOTH=total is not None, FIRST=first, BLOCK=min(COLUMNS, triton.next_power_of_2(columns)),
-    )  # fmt: skip
-
-
-def backward_block(z, t, lse, scale, start: int, vocab: int, smoothing: float, ops: tuple) -> torch.Tensor:
-    """The block's gradient d (the loss's, with respect to its logits), written over z and returned:
-    scale (rows,) fp32 each row's factor (0 for a row that does not count)."""
+def rows(z, t, scale, smoothing: float, ops: tuple, grad: bool, config: dict | None = None) -> torch.Tensor:
+    """Each row's loss, fp32 (rows,), for z (rows, vocab) the whole vocabulary's logits of its rows,
+    t (rows,) the targets (every one a valid class); with `grad`, each row's gradient
+    d loss / d z times scale (rows,) fp32, written over z in its dtype. `config`: CONFIG's keys."""
     pre, pre_value, tanh, post, post_value = plan(ops)
     factor = (pre_value if pre == MUL else 1.0 / pre_value if pre == DIV else 1.0) * (
         post_value if post == MUL else 1.0 / post_value if post == DIV else 1.0
     )
-    rows, columns = z.shape
-    _backward_kernel[(rows,)](
-        z, t, lse, scale, columns, z.stride(0), start, float(smoothing), float(smoothing) / vocab, factor,
-        PRE=pre, pre_value=pre_value, TANH=tanh, POST=post, post_value=post_value,
-        BLOCK=min(COLUMNS, triton.next_power_of_2(columns)),
+    n, columns = z.shape
+    config = config or CONFIG
+    out = torch.empty(n, dtype=torch.float32, device=z.device)
+    _rows_kernel[(n,)](
+        z, t, scale if grad else out, out, columns, z.stride(0), float(smoothing), float(smoothing) / columns,
+        factor, PRE=pre, pre_value=pre_value, TANH=tanh, POST=post, post_value=post_value,
+        SMOOTH=smoothing != 0.0, GRAD=grad, LANES=config["LANES"],
+        BLOCK=min(config["BLOCK"], triton.next_power_of_2(columns)), num_warps=config["num_warps"],
     )  # fmt: skip
-    return z
+    return out

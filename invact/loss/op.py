@@ -1,70 +1,73 @@
-"""A causal LM's loss from its last hidden state and its head's weight, a block of the vocabulary at a
-time: no (tokens x vocab) logits kept for backward, none materialized whole in forward or backward.
+"""A causal LM's loss from its last hidden state and its head's weight, a chunk of rows at a time, with
+its gradients computed in the forward: no (tokens x vocab) logits kept for backward, none materialized
+whole, and three (tokens x hidden x vocab) matmuls in all, as eager's.
 
 Eager, a Hugging Face causal LM computes logits = lm_head(h) (tokens x vocab, in the model's dtype),
 upcasts them (an fp32 copy) and runs F.cross_entropy, whose log-softmax saves an fp32 (tokens x vocab)
-tensor: 4 bytes x vocab per token, the largest single tensor of a small model's training step. The
-head already keeps h, so the logits are one matmul away. Here:
+tensor: 4 bytes x vocab per token, the largest single tensor of a small model's training step. Here,
+per chunk of rows (`chunk_rows`: BLOCK_BYTES of logits):
 
-- forward, per vocabulary block (`block_columns`): z = transform(h @ W_b^T + b_b) in fp32; the
-  log-sum-exp of each row accumulates across blocks (torch.logaddexp), and so do the target's logit
-  and, with label smoothing, the row's sum of logits. Saved: h (the head's input, which the head
-  saves in eager too), the target, one fp32 log-sum-exp per row that counts (target not ignore_index)
-  and, where some rows do not count, the int64 indices of those that do.
-- backward, per block again: z recomputed, p = exp(z - lse) (the softmax), minus (1 - eps) at the
-  target and eps / vocab everywhere, times the transform's derivative, gives d(h W_b^T + b_b); the
-  block's weight gradient is one matmul over all rows (rounded once, as eager's), the hidden's gradient
-  accumulates in fp32 across blocks.
-  One matmul more than eager's three; the elementwise passes over (tokens x vocab) are as many, on a
-  block at a time.
+- the chunk's logits over the whole vocabulary, z = transform(h_c W^T + b) (one matmul);
+- each row's loss from them, and where a gradient is wanted, d loss / d z written over z (_rows: one
+  Triton kernel on CUDA, invact.loss._triton; torch ops elsewhere);
+- d h_c = d W (one matmul; each row's in one product, rounded once, as eager's) and the chunk's part of
+  d W = d^T h_c (one matmul, summed across chunks in fp32, rounded once at the end: _accumulate), and
+  of d b (the column sums).
+
+The loss is a scalar, so the gradients for d loss = 1 are all a backward needs: it multiplies them by the
+loss's gradient (autograd's; 1 for loss.backward(), else a scale such as num_items_in_batch's), with no
+host synchronisation. Saved for backward: those gradients (the hidden states' size and, unless the head
+is frozen, the weight's), which the step's backward holds from its first op anyway; where no gradient is
+wanted (no_grad, eval with labels) only the loss is computed, one matmul. A second backward through the
+same graph (retain_graph=True) finds the gradients scaled and raises torch's error on saved tensors
+changed in place.
 
 `transform` is what the model applies between the head and the loss, recorded as it runs: scalar
 multiplications and divisions (Cohere's logit_scale, Granite's logits_scaling) and tanh (Gemma 2/3's
 final softcapping, c * tanh(z / c)), computed in fp32 (eager runs them in the model's dtype).
 
-Where the vocabulary is one block and there is no label smoothing (a small head, whose cost is its host
-time), eager runs F.cross_entropy's own ops on the block (_nll_loss, _nll_grads): in fp32 the loss and
-gradients are eager's, bit for bit, with one matmul and one log-softmax more in backward.
+Where the rows are one chunk of fp32 logits without transform or label smoothing (a small head, whose
+cost is its host time), off CUDA, the ops are F.cross_entropy's own and F.linear's backward's (_nll):
+the loss and gradients are eager's, bit for bit.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 
 import torch
 import torch.nn.functional as F
 
 from invact._meta import stands_for
-from invact._traced import trace_as
+from invact.memory import EARLY_GRADIENT
 from invact.activation.ops import backend_for, direct_backward
 
 log = logging.getLogger("invact")
 
-# Bytes of one block's fp32 (rows x columns) logits, per device type. The forward holds about two such
-# buffers at a time (the matmul's output and its fp32 copy), the backward about three (one more per
-# tanh of a softcapped head). On CPU, small blocks stay in cache: forward + backward of 512 rows,
-# hidden 128, vocab 128256 on 2 cores of an AMD EPYC Zen 4 took 0.70, 0.61, 0.59, 0.60, 0.87 and
-# 0.91 s (fp32) with 1, 2, 4, 8, 32 and 128 MiB blocks, against 0.61 s eager; bf16 0.28-0.32 s up to 8
-# MiB, 0.60 s at 128 MiB, against 0.52 s eager. On CUDA (an H200, bf16, 4096 x 2048 x 128256, torch's
-# ops per block: benchmarks/results/gpu_quick_h200.json) 16, 64, 256 and 1024 MiB blocks took 85.5,
-# 32.6, 24.2 and 23.1 ms: launches per block dominate small blocks; 256 MiB is 16384 columns at 4096
-# rows, whose logits in bf16 (the one-pass kernels' only block buffer, invact.loss._triton) are an
-# eighth of eager's fp32 logits for a 128256-word vocabulary.
-BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
-# The narrowest block: below it the matmuls get thin (rows x hidden x columns) and the per-block Python
-# overhead grows.
-MIN_COLUMNS = 256
+# Bytes of one chunk's logits (rows x the whole vocabulary, in the matmul's dtype), per device type: the
+# forward's one buffer of that size. CUDA's 256 MiB: 1046 rows of a 128256-word vocabulary in bf16,
+# where the whole head + loss (4096 x 2048 x 128256, H200, benchmarks/results/loss_floor_h200.json)
+# took 13.02, 12.06, 11.30 and 11.17 ms with chunks of 512, 1024, 2048 and 4096 rows (weight gradient
+# accumulated in bf16; 15.49, 12.54, 11.53, 11.37 in fp32) and peaked 642, 768, 1018 and 1519 MiB
+# above its inputs: the last halving of the time costs twice the memory. CPU: CPU_BLOCK.
+CPU_BLOCK = 64 * 2**20
+BLOCK_BYTES = {"cpu": CPU_BLOCK, "cuda": 256 * 2**20}
+# Bytes of fp32 logits the CPU passes (_rows_torch) work on at a time: a few rows, in cache.
+PASS_BYTES = 2 * 2**20
+# The fewest rows a chunk takes: the weight gradient's product sums over a chunk's rows, and a thinner
+# one runs below the GEMM's speed and adds one more pass over the weight gradient per chunk.
+MIN_ROWS = 64
 
 
-def block_columns(rows: int, vocab: int, device: torch.device | str) -> int:
-    """Vocabulary columns per block for `rows` rows on `device` (or a device type): BLOCK_BYTES of fp32
-    logits (CUDA's figure on other accelerators), at least MIN_COLUMNS, at most the vocabulary."""
+def chunk_rows(rows: int, vocab: int, itemsize: int, device: torch.device | str) -> int:
+    """Rows per chunk for `rows` rows on `device` (or a device type): BLOCK_BYTES of logits of `itemsize`
+    bytes an element (CUDA's figure on other accelerators), at least MIN_ROWS, at most `rows`."""
     kind = device if type(device) is str else device.type
     if kind == "meta":  # a planned step: as on the device type it is planned for
         kind = stands_for()
     budget = BLOCK_BYTES.get(kind, BLOCK_BYTES["cuda"])
-    return min(vocab, max(MIN_COLUMNS, budget // (4 * max(rows, 1))))
+    return max(1, min(rows, max(MIN_ROWS, budget // (itemsize * max(vocab, 1)))))
 
 
 def _device_type(t: torch.Tensor) -> str:
@@ -73,9 +76,20 @@ def _device_type(t: torch.Tensor) -> str:
     return "cpu" if t.is_cpu else "cuda" if t.is_cuda else t.device.type
 
 
+def _compute_dtype(h: torch.Tensor, w: torch.Tensor, kind: str) -> torch.dtype:
+    """The dtype F.linear(h, w) computes in here: autocast's where it is on (mixed precision: bf16
+    logits from fp32 weights, as eager's head), else the inputs' promoted dtype."""
+    try:
+        if torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+    except RuntimeError:  # a device type autocast does not know (meta, outside invact._autocast)
+        pass
+    return h.dtype if h.dtype is w.dtype else torch.result_type(h, w)
+
+
 def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
-    """z = ops applied to pre, in fp32 (pre itself where it is fp32: a block's fresh logits, which the
-    callers may change in place), and the derivative's factors: the product of the scalars and, when
+    """z = ops applied to pre, in fp32 (pre itself where it is fp32: a chunk's fresh logits, which the
+    callers change in place), and the derivative's factors: the product of the scalars and, when
     keep, each tanh's output (each contributes 1 - t^2)."""
     z = pre.float() if pre.dtype != torch.float32 else pre
     scale, tanhs = 1.0, []
@@ -93,292 +107,209 @@ def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
     return z, scale, tanhs
 
 
-def _kernels(h: torch.Tensor, bias, ops: tuple) -> bool:
-    """invact.loss._triton's one-pass kernels serve this call (CUDA, no bias, a transform they take)."""
-    if bias is not None or backend_for(h) != "triton":
+def _kernels(t: torch.Tensor, ops: tuple) -> bool:
+    """invact.loss._triton.rows serves chunks of logits on t's device (CUDA, or INVACT_BACKEND=triton; a
+    meta tensor standing for CUDA) with this transform (one it takes)."""
+    if backend_for(t) != "triton" and not (t.is_meta and stands_for() == "cuda"):
         return False
-    from invact.loss import _triton as _loss_triton
-
+    try:
+        from invact.loss import _triton as _loss_triton
+    except ImportError:  # planned for CUDA on a machine without triton: as the torch path
+        return False
     return _loss_triton.plan(ops) is not None
 
 
-def _masked(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whether each row counts: target != ignore_index; the targets with those that do not count
-    replaced by class 0, a valid index whose row is masked out). Every row is computed, as eager's
-    F.cross_entropy computes every row's logits: no data-dependent shape, nothing read back."""
-    valid = target != ignore_index
-    return valid, torch.where(valid, target, 0)
+def _rows_torch(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.Tensor:
+    """invact.loss._triton.rows in torch ops (CPU, meta standing for a CPU, transforms the kernel does
+    not take): each row's loss, fp32 (rows,); with `grad` the rows' gradient times `scale`, written over
+    z in its dtype. A few rows at a time (PASS_BYTES of fp32), whose fp32 copy stays in cache through
+    the passes over it."""
+    step = max(1, PASS_BYTES // (4 * z.shape[1]))
+    if step >= z.shape[0]:
+        return _rows_pass(z, t, scale, ops, smoothing, grad)
+    parts = [_rows_pass(z[i : i + step], t[i : i + step], scale[i : i + step], ops, smoothing, grad)
+             for i in range(0, z.shape[0], step)]  # fmt: skip
+    return torch.cat(parts)
 
 
-def _row_losses(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = True):
-    """(each row's loss, fp32 (rows,): cross-entropy of its transformed logits against t, with label
-    smoothing F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p; each row's
-    log-sum-exp), a vocabulary block at a time."""
-    lse, picked, total = _row_sums(h, t, weight, bias, ops, smoothing, kernels)
-    rows = lse - picked
+def _rows_pass(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.Tensor:
+    """_rows_torch on rows whose fp32 copy is one buffer (z itself where fp32)."""
+    zt, factor, tanhs = _transformed(z, ops, keep=grad)
+    at = t.unsqueeze(1)
+    picked = zt.gather(1, at).squeeze(1)
+    total = zt.sum(dim=1) if smoothing else None
+    top = zt.amax(dim=1, keepdim=True)
+    # exp(z - max) in place: its row sums give the log-sum-exp, and divided by them, the softmax
+    sums = zt.sub_(top).exp_().sum(dim=1, keepdim=True)
+    lse = (top + sums.log()).squeeze(1)
+    losses = lse - picked
+    if smoothing:  # F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p
+        losses = (1 - smoothing) * losses + smoothing * (lse - total.div(z.shape[1]))
+    if not grad:
+        return losses
+    p = zt.div_(sums)
+    p.scatter_add_(1, at, p.new_full(at.shape, -(1 - smoothing)))
     if smoothing:
-        rows = (1 - smoothing) * rows + smoothing * (lse - total.div(weight.shape[0]))
-    return rows, lse
+        p.sub_(smoothing / z.shape[1])
+    for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
+        p.mul_(th.square_().neg_().add_(1))
+    del tanhs
+    p.mul_((scale * factor if factor != 1.0 else scale).unsqueeze(1))
+    if p is not z:
+        z.copy_(p)
+    return losses
 
 
-def _row_sums(h, t, weight, bias, ops: tuple, smoothing: float, kernels: bool = True):
-    """Per row of h, in fp32, a vocabulary block at a time: (the log-sum-exp of its transformed logits,
-    the logit at its target, with label smoothing the sum of its logits (else None)). `kernels`:
-    invact.loss._triton's passes where they serve the call (False: torch ops only, a compiled graph's
-    body)."""
-    vocab = weight.shape[0]
-    step = block_columns(h.shape[0], vocab, h.device)
-    if kernels and _kernels(h, bias, ops):
+def _rows(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.Tensor:
+    """Each row's loss from z (rows, vocab), the chunk's logits, fp32 (rows,); with `grad` each row's
+    gradient d loss / d z times scale (rows,) written over z: the kernel on CUDA, torch ops elsewhere.
+    On meta tensors standing for CUDA, what the kernel allocates (its output alone)."""
+    if _kernels(z, ops):
+        if z.is_meta:
+            return z.new_empty(z.shape[:1], dtype=torch.float32)
         from invact.loss import _triton as _loss_triton
 
-        n = h.shape[0]
-        lse, picked = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(2))
-        total = torch.empty(n, dtype=torch.float32, device=h.device) if smoothing else None
-        for start in range(0, vocab, step):
-            z = F.linear(h, weight[start : start + step])
-            _loss_triton.forward_block(z, t, lse, picked, total, start, ops, first=start == 0)
-        return lse, picked, total
-    if step >= vocab:  # one block: no running sums
-        z, _, _ = _transformed(F.linear(h, weight, bias), ops, keep=False)
-        total = z.sum(dim=1) if smoothing else None
-        return torch.logsumexp(z, dim=1), z.gather(1, t.unsqueeze(1)).squeeze(1), total
-    lse = total = None
-    for start in range(0, vocab, step):
-        stop = min(start + step, vocab)
-        pre = F.linear(h, weight[start:stop], None if bias is None else bias[start:stop])
-        z, _, _ = _transformed(pre, ops, keep=False)
-        del pre
-        block = torch.logsumexp(z, dim=1)
-        lse = block if lse is None else torch.logaddexp(lse, block)
-        if smoothing:
-            total = z.sum(dim=1) if total is None else total + z.sum(dim=1)
-    return lse, _target_logits(h, t, weight, bias, ops), total
+        return _loss_triton.rows(z, t, scale, smoothing, ops, grad)
+    return _rows_torch(z, t, scale, ops, smoothing, grad)
 
 
-def _after(h: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """h, bitwise (h + 0 * x is h for finite x; a -0.0 becomes +0.0, which multiplies alike), made to
-    depend on `previous` (rows,), the previous vocabulary block's result: in a compiled graph's backward
-    body this orders the blocks, where inductor otherwise computed every block's logits again
-    (independent matmuls) ahead and fused their elementwise passes, keeping them all alive: the loss
-    alone (512 x 128 hidden states, vocabulary 50257, CPU) peaked at 133 MiB in bf16 and 66 MiB in
-    fp32 compiled, against 57 and 48 MiB ordered (19 and 29 eager)."""
-    return h + (previous.unsqueeze(1) * 0.0).to(h.dtype)
-
-
-def _target_logits(h, t, weight, bias, ops: tuple) -> torch.Tensor:
-    """Each row's transformed logit at its target (rows,), fp32, from its target's weight row: the dot
-    product the block's matmul forms, in fp32 and rounded to the matmul's dtype (its last place may
-    differ from the matmul's: another summation order). Read from no block of logits, so none outlives
-    its own log-sum-exp: under inductor a gather from every block fused into one kernel that kept them
-    all, one fp32 (rows x vocab) tensor at the forward's peak (512 x 128 x 50257: 98 MiB, against 29
-    MiB eager)."""
-    pre = torch.linalg.vecdot(h.float(), weight.index_select(0, t).float())
-    if bias is not None:
-        pre = pre + bias.index_select(0, t).float()
-    dtype = torch.result_type(h, weight)
-    pre = pre if dtype == torch.float32 else pre.to(dtype)
-    return _transformed(pre.unsqueeze(1), ops, keep=False)[0].squeeze(1)
+def _accumulate(acc: torch.Tensor, d: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """acc (fp32, the weight's shape) = d^T h (+ acc unless `first`), d and h in the matmul dtype, the
+    chunks' products summed in fp32. CUDA: one 16-bit GEMM accumulating into fp32 (addmm's out_dtype),
+    so d W is rounded once, as eager's. Other devices have no such kernel (CPU: NotImplementedError in
+    torch 2.13): a 16-bit product, rounded to 16 bits once per chunk, then summed in fp32. In fp32 its
+    GEMM ran 3.0x slower than in bf16 (2048 x 512 x 49152 in chunks of 170 rows, 2 threads of an Intel
+    Xeon with AMX: 373 against 114 ms a head), which put the head + loss above eager's time; the chunks'
+    roundings add at most u/2 |P_c| each (u = 2^-8, P_c a chunk's product) to d W's error, measured 4-7%
+    above eager's distance from float64 at 8 to 32 chunks (tests/invact/test_loss.py bounds it)."""
+    if d.dtype == torch.float32:
+        torch.mm(d.t(), h, out=acc) if first else acc.addmm_(d.t(), h)
+    elif acc.is_cuda or acc.is_meta and stands_for() != "cpu":
+        torch.addmm(acc, d.t(), h, out_dtype=torch.float32, beta=0 if first else 1, out=acc)
+    else:
+        part = d.t().mm(h)
+        acc.copy_(part) if first else acc.add_(part)
 
 
 # aten's reduction codes for nll_loss_forward / nll_loss_backward (torch's Reduction enum)
 _MEAN, _SUM = 1, 2
 
 
-def _nll_loss(h, target, weight, bias, ops: tuple, ignore_index: int, mean: bool):
-    """(the loss, the count of rows that count as fp32) where the vocabulary is one block and there is no
-    label smoothing: the ops F.cross_entropy runs (log-softmax, then nll_loss_forward, whose mean
-    divides by that count: nan where none counts, as eager's), computed without autograd (nothing kept).
-    A small head's cost is its host time, its ops and Python."""
+def _nll(h, target, weight, bias, ignore_index: int, mean: bool, needs):
+    """_forward where the rows are one chunk of fp32 logits without transform or label smoothing (a
+    small head, whose cost is its host time): the ops F.cross_entropy runs forward and backward
+    (log_softmax, nll_loss_forward; nll_loss_backward, _log_softmax_backward_data: so the loss and
+    d logits are eager's, bit for bit), then the head's products as F.linear's backward runs them."""
     z = F.linear(h, weight, bias)
-    if ops or z.dtype is not torch.float32:
-        z = _transformed(z, ops, keep=False)[0]
-    return torch.ops.aten.nll_loss_forward(torch.log_softmax(z, 1), target, None, _MEAN if mean else _SUM,
-                                           ignore_index)  # fmt: skip
-
-
-def _nll_grads(grad, h, target, weight, bias, ops: tuple, ignore_index: int, mean: bool, total, needs,
-               pre_dtype):  # fmt: skip
-    """_nll_loss's (d h in fp32, d weight, d bias; None where not in `needs`) for the loss's gradient
-    `grad`: the logits and their log-softmax recomputed, then the two backward ops F.cross_entropy's
-    autograd runs (nll_loss_backward, _log_softmax_backward_data: so in fp32 d logits is eager's, bit
-    for bit), times the transform's derivative, and the head's products (_head_grads)."""
-    z, factor, tanhs = F.linear(h, weight, bias), 1.0, ()
-    if ops or z.dtype is not torch.float32:
-        z, factor, tanhs = _transformed(z, ops, keep=True)
     logp = torch.log_softmax(z, 1)
     del z
-    g = torch.ops.aten.nll_loss_backward(grad, logp, target, None, _MEAN if mean else _SUM, ignore_index,
-                                         total)  # fmt: skip
-    p = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
-    # g, logp and p are each an fp32 (rows x vocab) tensor, and p alone goes on: kept to the return, the
-    # three and p's 16-bit copy made the step's peak (invact plan --step, a 2-layer Llama of width 128,
-    # vocabulary 8000, 2 x 256 tokens, bf16, one block: 77.5 MiB, 63.6 freeing them, eager 66.8).
+    loss, total = torch.ops.aten.nll_loss_forward(logp, target, None, _MEAN if mean else _SUM, ignore_index)
+    if not (needs[0] or needs[1] or needs[2]):
+        return loss, None, None, None
+    one = torch.ones((), dtype=loss.dtype, device=loss.device)
+    reduction = _MEAN if mean else _SUM
+    g = torch.ops.aten.nll_loss_backward(one, logp, target, None, reduction, ignore_index, total)
+    d = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
     del g, logp
-    for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
-        p.mul_(th.square_().neg_().add_(1))
-    if factor != 1.0:
-        p.mul_(factor)
-    return _head_grads(p, h, weight, bias, needs, pre_dtype)
+    dh = d.mm(weight) if needs[0] else None
+    dw = d.t().mm(h) if needs[1] else None
+    db = d.sum(dim=0) if needs[2] else None
+    return loss, dh, dw, db
 
 
-def _head_grads(p, h, weight, bias, needs, pre_dtype):
-    """(d h in fp32, d weight, d bias; None where not in `needs`) of a one-block head from p, the fp32
-    gradient of its logits: each product rounded once, as eager's."""
-    d = p if p.dtype is pre_dtype else p.to(pre_dtype)
-    dw = d.t().mm(h if h.dtype is d.dtype else h.to(d.dtype)) if needs[1] else None
-    if dw is not None and dw.dtype is not weight.dtype:
+def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: float, mean: bool, needs):
+    """(the loss, fp32 scalar; its gradients for d loss = 1 with respect to h, weight and bias, each in
+    its tensor's dtype, None where `needs` does not ask for it), a chunk of rows at a time: per chunk
+    its logits over the whole vocabulary (one matmul), its rows' losses and, where a gradient is
+    wanted, d loss / d logits written over them (_rows), then d h for its rows (one matmul, rows
+    apart: rounded once, as eager's) and its part of d weight (one matmul, summed in fp32 across
+    chunks: _accumulate). Three matmuls in all where every gradient is wanted; one where none is."""
+    n, vocab = h.shape[0], weight.shape[0]
+    kind = _device_type(h)
+    need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
+    grad = need_h or need_w or need_b
+    dtype = _compute_dtype(h, weight, kind)
+    step = chunk_rows(n, vocab, dtype.itemsize, kind)
+    if step >= n and dtype == torch.float32 and not ops and not smoothing and not _kernels(h, ops):
+        return _nll(h, target, weight, bias, ignore_index, mean, (need_h, need_w, need_b))
+    with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") else contextlib.nullcontext():
+        hc = h if h.dtype is dtype else h.to(dtype)
+        w = weight if weight.dtype is dtype else weight.to(dtype)
+        b = bias if bias is None or bias.dtype is dtype else bias.to(dtype)
+        valid = target != ignore_index
+        t = torch.where(valid, target, 0)
+        count = valid.sum() if mean else None
+        # each row's factor: 1 / count in a mean (0 for a row that does not count, also where none does)
+        scale = torch.where(valid, 1.0 / count, 0.0) if mean else valid.float()
+        losses = torch.empty(n, dtype=torch.float32, device=h.device)
+        dh = torch.empty(h.shape, dtype=dtype, device=h.device) if need_h else None
+        one = step >= n
+        acc = None if not need_w or one else torch.empty(weight.shape, dtype=torch.float32, device=h.device)
+        dw = db = None
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            hb = hc[start:stop]
+            z = F.linear(hb, w, b)
+            losses[start:stop] = _rows(z, t[start:stop], scale[start:stop], ops, smoothing, grad)
+            if need_h:
+                torch.mm(z, w, out=dh[start:stop])
+            if need_w:
+                if one:
+                    dw = z.t().mm(hb)
+                else:
+                    _accumulate(acc, z, hb, start == 0)
+            if need_b:
+                part = z.sum(dim=0, dtype=torch.float32)
+                db = part if db is None else db.add_(part)
+            del z
+        loss = torch.where(valid, losses, 0.0).sum()
+        if mean:
+            loss = loss / count
+    if acc is not None:
+        dw = acc.to(weight.dtype)
+        del acc
+    elif dw is not None and dw.dtype is not weight.dtype:
         dw = dw.to(weight.dtype)
-    db = p.sum(dim=0).to(bias.dtype) if needs[2] else None
-    if not needs[0]:
-        return None, dw, db
-    if d.dtype == torch.float32:
-        return d.mm(weight if weight.dtype is d.dtype else weight.to(d.dtype)), dw, db
-    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    _accumulate(dh, p, d, weight)
-    return dh, dw, db
+    if dh is not None and dh.dtype is not h.dtype:
+        dh = dh.to(h.dtype)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return loss, dh, dw, db
 
 
-def _block_logits(h, w, b):
-    """A block's logits h w^T + b, as the forward computes them."""
-    return F.linear(h, w, b)
-
-
-def _kernel_grad_blocks(grad, h, t, lse, weight, ops: tuple, smoothing: float, needs, logits, step: int):
-    """_grad_blocks by invact.loss._triton's backward pass: per block the logits (in the matmul dtype),
-    d written over them in one pass, then the two products."""
-    from invact.loss import _triton as _loss_triton
-
-    vocab = weight.shape[0]
-    dw = torch.empty_like(weight) if needs[1] else None
-    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if needs[0] else None
-    scale = grad.reshape(-1).float().contiguous()
-    for start in range(0, vocab, step):
-        w = weight[start : start + step]
-        d = _loss_triton.backward_block(logits(h, w, None), t, lse, scale, start, vocab, smoothing, ops)
-        if dw is not None:
-            dw[start : start + step] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
-        if dh is not None:  # on CPU tensors (the interpreter) a 16-bit d multiplies in fp32 (_accumulate)
-            _accumulate(dh, d.float() if d.dtype != torch.float32 and not d.is_cuda else None, d, w)
-    return dh, dw, None
-
-
-def _grad_blocks(grad, h, t, lse, weight, bias, ops: tuple, smoothing: float, needs, pre_dtype,
-                 logits=_block_logits, kernels: bool = True):  # fmt: skip
-    """(d h in fp32, d weight, d bias; None where not in `needs`) of the sum over rows of grad times
-    _row_losses' row loss, a vocabulary block at a time, the logits recomputed per block (by
-    `logits`). grad: one factor per row (rows, 1), 0 for a row that does not count."""
-    vocab = weight.shape[0]
-    need_h, need_w, need_b = needs
-    step = block_columns(h.shape[0], vocab, h.device)
-    if kernels and _kernels(h, bias, ops):
-        return _kernel_grad_blocks(grad, h, t, lse, weight, ops, smoothing, needs, logits, step)
-    one = step >= vocab
-    dw = torch.empty_like(weight) if need_w and not one else None
-    db = torch.empty_like(bias) if need_b and not one else None
-    # fp32 accumulator across blocks: each block's product is rounded once, the sum is not
-    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h and not one else None
-    lse = lse.unsqueeze(1)
-    last = None  # in a compiled graph's body: the previous block's weight gradient (see below)
-    for start in range(0, vocab, step):
-        stop = min(start + step, vocab)
-        w = weight if one else weight[start:stop]
-        # In a compiled graph's body each block after the previous one's results (_after): its hidden
-        # gradient, and its weight gradient, whose matmul inductor otherwise put off, several blocks at a
-        # time, keeping their fp32 softmax blocks and 16-bit copies alive (bf16, 512 x 128 x 50257, CPU:
-        # the backward peaked at 57 MiB, against 19 eager)
-        hb = h
-        if not kernels and dh is not None:
-            hb = _after(h, dh[:, 0] if last is None else dh[:, 0] + last[0, 0].float())
-        pre = logits(hb, w, None if bias is None else (bias if one else bias[start:stop]))
-        p, scale, tanhs = _transformed(pre, ops, keep=True)
-        del pre
-        p = p.sub_(lse).exp_()  # the softmax of the transformed logits
-        if one:
-            p.scatter_add_(1, t.unsqueeze(1), p.new_full((p.shape[0], 1), -(1 - smoothing)))
-        else:
-            inside = ((t >= start) & (t < stop)).to(p.dtype)
-            at = (t - start).clamp(0, stop - start - 1).unsqueeze(1)
-            p.scatter_add_(1, at, inside.mul_(-(1 - smoothing)).unsqueeze(1))
-        if smoothing:
-            p.sub_(smoothing / vocab)
-        for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
-            p.mul_(th.square_().neg_().add_(1))
-        del tanhs
-        p.mul_(grad * scale if scale != 1.0 else grad)
-        if one:
-            return _head_grads(p, h, weight, bias, needs, pre_dtype)
-        if need_b:
-            db[start:stop] = p.sum(dim=0).to(db.dtype)
-        # Where the hidden gradient multiplies p itself (a 16-bit block off CUDA: _accumulate), it comes
-        # first, and the fp32 block is freed before the weight gradient's 16-bit matmul: that matmul's
-        # own scratch memory on CPU (oneDNN's, allocated inside the op: 1.3 MiB for a 1024 x 1024 block
-        # by 128 hidden, bf16, on an Intel Xeon) then never meets p's 4 MiB.
-        early = need_h and p.dtype != pre_dtype and not p.is_cuda
-        if early:
-            _accumulate(dh, p, p, w)  # p in fp32 both ways: _accumulate's product off CUDA
-        d = p.to(pre_dtype)  # p itself where the logits are fp32
-        del p
-        if need_w:
-            dw[start:stop] = (d.t() @ h.to(d.dtype)).to(dw.dtype)
-            last = None if kernels else dw[start:stop]
-        if need_h and not early:
-            _accumulate(dh, None, d, w)  # d in fp32, or in 16 bits on CUDA (out_dtype): p unused
-        del d
-    return dh, dw, db
+def _scaled(x: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor | None:
+    """x times the loss's gradient, in place (x is the forward's own gradient buffer; a second backward
+    through the same graph finds it changed and raises torch's error on modified saved tensors)."""
+    return None if x is None else x.mul_(grad)
 
 
 @direct_backward
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum over rows r with target[r] != ignore_index of cross_entropy(transform(hidden W^T + bias)),
-    fp32, computed a vocabulary block at a time (the module docstring). Eager's path; under
-    torch.compile the custom op invact::linear_cross_entropy (below), whose body is the same blocks."""
+    """sum (or mean) over rows r with target[r] != ignore_index of cross_entropy(transform(hidden W^T +
+    bias)), fp32, its gradients computed in the forward a chunk of rows at a time (_forward) and saved:
+    the backward scales them by the loss's gradient. Eager's path; under torch.compile the custom op
+    invact::linear_cross_entropy (below), which runs the same _forward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean):
-        # mean: divided by the count of rows that count here, not by an autograd node of its own.
-        # One block without label smoothing (a small head, whose cost is host time): F.cross_entropy's
-        # own ops (_nll_loss); the kernels' one pass beats them where they serve.
-        vocab = weight.shape[0]
-        nll = not smoothing and block_columns(hidden.shape[0], vocab, _device_type(hidden)) >= vocab
-        ctx.nll = nll = nll and not _kernels(hidden, bias, ops)
-        ctx.ops, ctx.ignore_index, ctx.mean = ops, ignore_index, mean
-        ctx.pre_dtype = hidden.dtype if hidden.dtype is weight.dtype else torch.result_type(hidden, weight)
-        if nll:
-            loss, total = _nll_loss(hidden, target, weight, bias, ops, ignore_index, mean)
-            ctx.save_for_backward(hidden, weight, bias, target, total)
-            return loss
-        valid, t = _masked(target, ignore_index)
-        rows, lse = _row_losses(hidden, t, weight, bias, ops, smoothing)
-        loss = torch.where(valid, rows, 0.0).sum()
-        count = valid.sum() if mean else None
-        ctx.save_for_backward(hidden, weight, bias, target, lse, count)
-        ctx.smoothing = smoothing
-        return loss if count is None else loss / count
+        loss, dh, dw, db = _forward(hidden, weight, bias, target, ops, ignore_index, smoothing, mean,
+                                    ctx.needs_input_grad[:3])  # fmt: skip
+        for g in (dw, db):  # the parameters' gradients: no activation memory (invact.memory.count_saved)
+            if g is not None:
+                setattr(g, EARLY_GRADIENT, True)
+        ctx.save_for_backward(dh, dw, db)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
-        needs = ctx.needs_input_grad[:3]
-        if ctx.nll:
-            hidden, weight, bias, target, total = ctx.saved_tensors
-            dh, dw, db = _nll_grads(grad, hidden, target, weight, bias, ctx.ops, ctx.ignore_index, ctx.mean,
-                                    total, needs, ctx.pre_dtype)  # fmt: skip
-            if dh is not None and dh.dtype is not hidden.dtype:
-                dh = dh.to(hidden.dtype)
-            return dh, dw, db, None, None, None, None, None
-        hidden, weight, bias, target, lse, count = ctx.saved_tensors
-        if count is not None:
-            grad = grad / count
-        ignored = target == ctx.ignore_index
-        scale, t = torch.where(ignored, 0.0, grad).unsqueeze(1), torch.where(ignored, 0, target)
-        dh, dw, db = _grad_blocks(scale, hidden, t, lse, weight, bias, ctx.ops, ctx.smoothing, needs,
-                                  ctx.pre_dtype)  # fmt: skip
-        return None if dh is None else dh.to(hidden.dtype), dw, db, None, None, None, None, None
+        dh, dw, db = ctx.saved_tensors
+        return _scaled(dh, grad), _scaled(dw, grad), _scaled(db, grad), None, None, None, None, None
 
 
-# torch.compile traces the loss as two custom ops: the forward returns the loss and the log-sum-exp of
-# every row, the backward takes what the forward saved: hidden, the head's weight and bias, the targets
-# and that log-sum-exp. The transform is passed as a list of (code, value) floats (OPS: a schema takes
-# no tuples of strings). Their bodies (invact._traced) are what a compiled graph runs.
+# torch.compile records the loss as one custom op: it returns the loss and its gradients (empty where
+# none is wanted), which its autograd formula scales; inductor calls it as eager does (the same chunks,
+# kernels and matmuls), and what the compiled step saves for the backward is the gradients alone. The
+# transform is passed as a list of (code, value) floats (OPS: a schema takes no tuples of strings).
 OPS = ("mul", "div", "tanh")
 
 
@@ -391,121 +322,41 @@ def _decode_ops(codes: list[float]) -> tuple:
     return tuple((OPS[int(c)], v) if OPS[int(c)] != "tanh" else ("tanh",) for c, v in pairs)
 
 
-def _op_forward_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     target: torch.Tensor, ops: list[float], ignore_index: int,
-                     smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return _op_forward_body(hidden, weight, bias, target, ops, ignore_index, smoothing)
+def _op_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+             ops: list[float], ignore_index: int, smoothing: float, mean: bool,
+             needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    loss, dh, dw, db = _forward(hidden, weight, bias, target, _decode_ops(ops), ignore_index, smoothing, mean,
+                                needs)  # fmt: skip
+    # an output is a tensor: a fresh empty one where no gradient is wanted
+    return (loss, hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw,
+            weight.new_empty(0) if db is None else db)  # fmt: skip
 
 
-def _op_forward_body(hidden, weight, bias, target, ops, ignore_index, smoothing, kernels: bool = True):
-    """invact::linear_cross_entropy's body; `kernels` False in a compiled graph (torch ops only)."""
-    valid, t = _masked(target, ignore_index)
-    rows, lse = _row_losses(hidden, t, weight, bias, _decode_ops(ops), smoothing, kernels)
-    return torch.where(valid, rows, 0.0).sum(), lse
+_op = torch.library.custom_op("invact::linear_cross_entropy", _op_impl, mutates_args=())
 
 
-_op_forward = torch.library.custom_op("invact::linear_cross_entropy", _op_forward_impl, mutates_args=())
-
-
-@_op_forward.register_fake
-def _(hidden, weight, bias, target, ops, ignore_index, smoothing):
-    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape[:1], dtype=torch.float32)
-
-
-def _op_backward_impl(
-    grad: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    ops: list[float],
-    ignore_index: int,
-    smoothing: float,
-    needs: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs,
-                             _block_logits, kernels=True)  # fmt: skip
-
-
-def _op_backward_body(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs, logits,
-                      kernels: bool = False):  # fmt: skip
-    """invact::linear_cross_entropy_backward's body, each block's logits computed by `logits`;
-    `kernels`: invact.loss._triton's passes where they serve (not in a compiled graph)."""
-    # == where the forward has !=: in a compiled graph, not merged with the forward's mask, which the
-    # partitioner would keep (a bool per row, from the int64 targets it keeps anyway)
-    ignored = target == ignore_index
-    scale = torch.where(ignored, 0.0, grad).unsqueeze(1)
-    needs = (needs[0], needs[1], needs[2] and bias is not None)
-    dh, dw, db = _grad_blocks(scale, hidden, torch.where(ignored, 0, target), lse, weight, bias,
-                              _decode_ops(ops), smoothing, needs, torch.result_type(hidden, weight),
-                              logits=logits, kernels=kernels)  # fmt: skip
-    # an output is a tensor: a fresh empty one where no gradient is wanted (the autograd formula drops it)
-    dhidden = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
-    return dhidden, weight.new_empty(0) if dw is None else dw, weight.new_empty(0) if db is None else db
-
-
-_op_backward = torch.library.custom_op("invact::linear_cross_entropy_backward", _op_backward_impl,
-                                       mutates_args=())  # fmt: skip
-
-
-@_op_backward.register_fake
-def _(grad, hidden, weight, bias, target, lse, ops, ignore_index, smoothing, needs):
-    db = torch.empty_like(bias) if needs[2] and bias is not None else weight.new_empty(0)
-    return (torch.empty_like(hidden) if needs[0] else hidden.new_empty(0),
-            torch.empty_like(weight) if needs[1] else weight.new_empty(0), db)  # fmt: skip
-
-
-def _transposed_logits(h, w, b):
-    """A block's logits as (w h^T)^T: the same products as h w^T in another form, which the joint graph's
-    common-subexpression pass does not merge with the forward's (merged, each block's logits would be a
-    forward tensor the backward reads, and the partitioner would save them all: the (tokens x vocab)
-    tensor this op exists not to keep)."""
-    z = torch.mm(w, h.t()).t()
-    return z if b is None else z + b
-
-
-# The two ops' bodies in a compiled graph (invact._traced): the forward's as it is, the backward's
-# recomputing the logits in the other form.
-trace_as("invact::linear_cross_entropy", functools.partial(_op_forward_body, kernels=False))
-trace_as(
-    "invact::linear_cross_entropy_backward",
-    functools.partial(_op_backward_body, logits=_transposed_logits),
-)
+@_op.register_fake
+def _(hidden, weight, bias, target, ops, ignore_index, smoothing, mean, needs):
+    return (hidden.new_empty((), dtype=torch.float32),
+            torch.empty_like(hidden) if needs[0] else hidden.new_empty(0),
+            torch.empty_like(weight) if needs[1] else weight.new_empty(0),
+            torch.empty_like(bias) if needs[2] and bias is not None else weight.new_empty(0))  # fmt: skip
 
 
 def _op_setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, ops, ignore_index, smoothing = inputs
-    ctx.save_for_backward(hidden, weight, bias, target, output[1])
-    ctx.ops, ctx.ignore_index, ctx.smoothing = ops, ignore_index, smoothing
-    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.needs = inputs[-1]
 
 
-def _op_autograd_backward(ctx, grad, _dlse):
-    hidden, weight, bias, target, lse = ctx.saved_tensors
-    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    dh, dw, db = torch.ops.invact.linear_cross_entropy_backward(
-        grad, hidden, weight, bias, target, lse, ctx.ops, ctx.ignore_index, ctx.smoothing, needs
-    )
-    return (dh if needs[0] else None, dw if needs[1] else None, db if needs[2] and bias is not None else None,
-            None, None, None, None)  # fmt: skip
+def _op_backward(ctx, grad, _dh, _dw, _db):
+    dh, dw, db = ctx.saved_tensors
+    needs = ctx.needs
+    return (dh * grad if needs[0] else None, dw * grad if needs[1] else None,
+            db * grad if needs[2] and db.numel() else None, None, None, None, None, None, None)  # fmt: skip
 
 
-_op_forward.register_autograd(_op_autograd_backward, setup_context=_op_setup_context)
-
-
-def _accumulate(dh: torch.Tensor, p: torch.Tensor, d: torch.Tensor, w: torch.Tensor) -> None:
-    """dh += d @ w with an fp32 result, d the block's gradient in the matmul dtype (p in fp32). A 16-bit
-    product rounded to 16 bits per block before the sum would add one rounding per block (measured:
-    215 blocks of a bf16 (96 x 32) hidden gradient drifted 3% farther from float64 than eager's): CUDA
-    multiplies in 16 bits into fp32 (torch.mm's out_dtype); other devices have no such kernel (CPU:
-    NotImplementedError in torch 2.13) and multiply p by w in fp32."""
-    if d.dtype == torch.float32:
-        dh.addmm_(d, w.to(d.dtype))
-    elif dh.is_cuda:
-        dh += torch.mm(d, w.to(d.dtype), out_dtype=torch.float32)
-    else:
-        dh.addmm_(p, w.float())
+_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def linear_cross_entropy(
@@ -546,12 +397,12 @@ def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smo
           compiling: bool):  # fmt: skip
     """linear_cross_entropy on arguments it has checked: hidden (rows, in), target (rows,), reduction
     "mean" where `mean`, else "sum"; `compiling`: torch.compiler.is_compiling()."""
-    if compiling:
-        loss = torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(ops),
-                                                     ignore_index, label_smoothing)[0]  # fmt: skip
-        if mean:
-            loss = loss / (target != ignore_index).sum()
-        return loss
+    if compiling or not torch.is_grad_enabled():  # the op; without gradients, the loss alone
+        grad = torch.is_grad_enabled()
+        needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+        return torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(ops),
+                                                     ignore_index, label_smoothing, mean,
+                                                     needs)[0]  # fmt: skip
     if _is_wrapped(hidden):  # a dead torch.func wrapper: autograd.Function.apply unwraps it
         args = hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean
         return _LinearCrossEntropy.apply(*args)

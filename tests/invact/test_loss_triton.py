@@ -25,12 +25,12 @@ from tests.invact.test_loss import (
 pytest.importorskip("triton")
 
 
-@pytest.fixture(params=["one block", "many blocks"])
+@pytest.fixture(params=["one chunk", "many chunks"])
 def kernels(request, monkeypatch):
     monkeypatch.setenv("INVACT_BACKEND", "triton")
-    if request.param == "many blocks":  # 211 columns of 96 rows per block: 8 blocks, the last partial
-        monkeypatch.setattr(loss_op, "BLOCK_BYTES", {"cpu": 211 * 4 * ROWS, "cuda": 211 * 4 * ROWS})
-        monkeypatch.setattr(loss_op, "MIN_COLUMNS", 1)
+    if request.param == "many chunks":  # 40 rows a chunk: 3 chunks of the 96 rows, the last partial
+        monkeypatch.setattr(loss_op, "BLOCK_BYTES", {"cpu": 40 * 4 * VOCAB, "cuda": 40 * 4 * VOCAB})
+        monkeypatch.setattr(loss_op, "MIN_ROWS", 1)
     return request.param
 
 
@@ -44,7 +44,7 @@ CASES = [(transform, smoothing, "mean") for transform in sorted(TRANSFORMS) for 
 def test_fp32_within_the_derived_bound_of_float64(kernels, transform, smoothing, reduction):
     h, w, _, t = _case(0)
     ops = TRANSFORMS[transform]
-    assert loss_op._kernels(h.float(), None, ops)  # the kernels serve these calls
+    assert loss_op._kernels(h.float(), ops)  # the kernels serve these calls
     want = _run(lambda h, w: _eager(h, w, None, t, ops, smoothing, reduction), (h, w), torch.float64)
     got = _run(
         lambda h, w: L.linear_cross_entropy(h, w, t, ops=ops, label_smoothing=smoothing, reduction=reduction),
@@ -78,7 +78,11 @@ def test_plan_takes_one_step_a_tanh_and_one_step(ops, taken):
     assert (_loss_triton.plan(ops) is not None) == taken
 
 
-def test_a_head_with_a_bias_takes_the_torch_path(monkeypatch):
-    monkeypatch.setenv("INVACT_BACKEND", "triton")
-    h, _, b, _ = _case(0)
-    assert not loss_op._kernels(h.float(), b.float(), ()) and loss_op._kernels(h.float(), None, ())
+def test_a_head_with_a_bias_takes_the_kernels_and_its_gradient(kernels):
+    # the kernel sees the chunk's logits with the bias added; the bias's gradient is their column sums
+    h, w, b, t = _case(0)
+    assert loss_op._kernels(h.float(), ())
+    want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, "mean"), (h, w, b), torch.float64)
+    got = _run(lambda h, w, b: L.linear_cross_entropy(h, w, t, b), (h, w, b), torch.float32)
+    bound = _fp32_bound(ROWS, HIDDEN, VOCAB)
+    assert max(_errors(got, want)) <= bound

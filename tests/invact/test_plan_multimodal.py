@@ -298,16 +298,17 @@ def test_every_committed_config_plans(path):
 def test_t5_base_shaped_head_and_loss():
     """T5-base-shaped, batch 1, seq 512 (encoder and decoder), bf16, with labels: T5 scales the decoder's
     output by d_model ** -0.5 before its tied head, and that product, the head's input, is first saved
-    by the head (eager) or the loss (patch()); eager's loss also keeps the log-softmax of the logits in
-    bf16 (T5's loss does not upcast them) and nll_loss's total weight in bf16, patch()'s its fp32 total
-    weight. The targets are the labels, first saved by the decoder's embedding (other)."""
+    by the head (eager); patch()'s loss keeps its gradient instead (computed in the forward: the head's
+    weight gradient, held as the parameter's, is not counted); eager's loss also keeps the log-softmax
+    of the logits in bf16 (T5's loss does not upcast them) and nll_loss's total weight in bf16. The
+    targets are the labels, first saved by the decoder's embedding (other)."""
     path = ROOT / "benchmarks" / "configs" / "t5-base-shaped.json"
     cfg = json.loads(path.read_text())
     tokens = COMMITTED_SEQ
     plan = _plan(path, 1, tokens, "bfloat16")
     head = _kinds(plan, "eager")["head_loss"], _kinds(plan, "patched")["head_loss"]
     hidden = tokens * cfg["d_model"] * BF16
-    assert head == (tokens * cfg["vocab_size"] * BF16 + hidden + BF16, hidden + FP32)
+    assert head == (tokens * cfg["vocab_size"] * BF16 + hidden + BF16, hidden)
     loss = [d for d in plan["decisions"] if d["kind"] == "loss"]
     assert [(d["name"], d["replace"]) for d in loss] == [("lm_head", True)]
     assert plan["patched_output_bytes"] == FP32  # the loss alone: no logits
