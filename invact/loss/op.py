@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from invact._meta import stands_for
-from invact.memory import EARLY_GRADIENT
 from invact.activation.ops import backend_for, direct_backward
+from invact.memory import EARLY_GRADIENT
 
 log = logging.getLogger("invact")
 
