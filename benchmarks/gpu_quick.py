@@ -193,14 +193,14 @@ STEP_SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, 
 STEP_VARIANTS = ("eager", "patch", "compile", "compile+patch")
 
 
-def _step_model(name: str, small: bool, device: str, dtype):
+def _step_model(name: str, small: bool, device: str, dtype, layers: int | None = None):
     import transformers
 
     from invact.planner import load_config
 
-    file, layers = STEP_MODELS[name]
+    file, default = STEP_MODELS[name]
     config, _ = load_config(str(Path(__file__).parent / "configs" / file))
-    config.num_hidden_layers = 2 if small else layers
+    config.num_hidden_layers = 2 if small else layers or default
     if small:
         for k, v in STEP_SMALL.items():
             setattr(config, k, v)
@@ -209,14 +209,15 @@ def _step_model(name: str, small: bool, device: str, dtype):
     return transformers.AutoModelForCausalLM.from_config(config).to(device, dtype).train()
 
 
-def _step_row(name: str, variant: str, small: bool, device: str, dtype, steps: int) -> dict:
-    """One model in one variant (step_rows)."""
+def _step_row(name: str, variant: str, small: bool, device: str, dtype, steps: int, layers: int | None = None,
+              options: dict | None = None) -> dict:  # fmt: skip
+    """One model in one variant (step_rows); `options`: patch()'s keywords where the variant patches."""
     import invact
 
     batch, seq = (2, 32) if small else STEP_SHAPE
-    model = _step_model(name, small, device, dtype)
+    model = _step_model(name, small, device, dtype, layers)
     if "patch" in variant:
-        invact.patch(model)
+        invact.patch(model, **(options or {}))
     run = torch.compile(model) if "compile" in variant else model
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)

@@ -6,8 +6,8 @@ rescaled as the max grows), and with label smoothing their sum; the logit at the
 The row's loss is stored (fp32). Pass 2, where a gradient is wanted, reads the row again and writes
 d = (softmax - (1 - eps) onehot - eps / vocab) * dtransform * scale over it in its dtype, the input of
 the two matmuls that follow (d h = d W, d W += d^T h). Two reads and one write of each element: on an
-H200 (bf16, 4096 x 128256 logits; benchmarks/results/loss_floor_h200.json) the first version, which
-reduced every block of a row as it went, ran at 2209 GB/s counting those bytes.
+H200 (bf16, 4096 x 128256 logits; benchmarks/results/loss_floor_h200_prototype.json) the first version,
+which reduced every block of a row as it went, ran at 2209 GB/s counting those bytes.
 
 The transform is the model's scalar steps around at most one tanh (Gemma's soft-cap c tanh(z / c),
 Cohere's and Granite's scales): pre-op, tanh, post-op, each a multiply or a divide (a divide, not a
