@@ -19,7 +19,6 @@ inputs. Writes benchmarks/results/loss_floor_<device>.json.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 
@@ -34,8 +33,6 @@ from timing import device_name, peak_gbps, version, write_result
 
 SHAPES = [(4096, 2048, 128256), (8192, 2048, 128256)]
 CHUNK_MIB = (128, 256, 512)
-CONFIGS = [{"BLOCK": b, "num_warps": w, "LANES": lanes}
-           for b, w, lanes in itertools.product((1024, 2048, 4096), (4, 8, 16), (True, False))]  # fmt: skip
 
 
 def _ms(fn, rounds_out: list) -> None:
@@ -63,7 +60,7 @@ def sweep(n: int, v: int, rounds: int) -> list[dict]:
     t = torch.randint(0, v, (n,), device=dev)
     scale = torch.full((n,), 1.0 / n, device=dev)
     rows = []
-    for config in CONFIGS:
+    for config in K.SWEEP:
         ms = _median_ms(lambda c=config: K.rows(z, t, scale, 0.0, (), True, c), rounds)
         rows.append({**config, "ms": ms, "gbps": 3 * n * v * 2 / ms / 1e6})
         print(f"  kernel {config}: {ms:.3f} ms, {rows[-1]['gbps']:.0f} GB/s", flush=True)

@@ -82,8 +82,8 @@ def _rows_kernel(z_ptr, t_ptr, scale_ptr, loss_ptr, columns, stride, smoothing, 
     target = tl.load(t_ptr + row)
     # the logit at the target, read once (the same fp32 steps as the passes take)
     at = target + tl.arange(0, 1)
-    picked, _ = _transformed(base, at, at >= 0, PRE, pre_value, TANH, POST, post_value)
-    picked = tl.sum(picked, axis=0)
+    at_target, at_slope = _transformed(base, at, at >= 0, PRE, pre_value, TANH, POST, post_value)
+    picked = tl.sum(at_target, axis=0)
     # pass 1, the log-sum-exp online: LANES keeps a running max and sum per lane, reduced across lanes
     # once at the end (2 exp per element, no reduction per step); else each step reduces its block
     if LANES:
@@ -96,7 +96,7 @@ def _rows_kernel(z_ptr, t_ptr, scale_ptr, loss_ptr, columns, stride, smoothing, 
     for c0 in range(0, columns, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         inside = cols < columns
-        v, _ = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
+        v, v_slope = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
         if SMOOTH:
             total += tl.where(inside, v, 0.0)
         # masked lanes hold a finite floor, not -inf: exp(floor - floor) = 1 is harmless where it is
@@ -123,8 +123,8 @@ def _rows_kernel(z_ptr, t_ptr, scale_ptr, loss_ptr, columns, stride, smoothing, 
         for c0 in range(0, columns, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             inside = cols < columns
-            v, slope = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
-            p = tl.exp(v - lse) - tl.where(cols == target, 1.0 - smoothing, 0.0) - spread
+            u, slope = _transformed(base, cols, inside, PRE, pre_value, TANH, POST, post_value)
+            p = tl.exp(u - lse) - tl.where(cols == target, 1.0 - smoothing, 0.0) - spread
             if TANH:
                 p = p * slope
             tl.store(base + cols, (p * scale).to(z_ptr.dtype.element_ty), mask=inside)
@@ -133,6 +133,10 @@ def _rows_kernel(z_ptr, t_ptr, scale_ptr, loss_ptr, columns, stride, smoothing, 
 # The kernel's launch: columns a row's program reads at a time, its warps, and whether it keeps per-lane
 # running sums (LANES) or reduces each step.
 CONFIG = {"BLOCK": 2048, "num_warps": 8, "LANES": True}
+# The configurations benchmarks/loss_floor.py times on a GPU (tests/invact/test_triton_compiles.py
+# compiles each for sm_90).
+SWEEP = [{"BLOCK": b, "num_warps": w, "LANES": lanes} for b in (1024, 2048, 4096) for w in (4, 8, 16)
+         for lanes in (True, False)]  # fmt: skip
 
 
 def rows(z, t, scale, smoothing: float, ops: tuple, grad: bool, config: dict | None = None) -> torch.Tensor:
@@ -153,3 +157,42 @@ def rows(z, t, scale, smoothing: float, ops: tuple, grad: bool, config: dict | N
         BLOCK=min(config["BLOCK"], triton.next_power_of_2(columns)), num_warps=config["num_warps"],
     )  # fmt: skip
     return out
+
+
+_POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def compile_for(dtype: torch.dtype, ops: tuple, smoothing: bool, grad: bool, config: dict | None = None,
+                arch: int = 90):  # fmt: skip
+    """The rows kernel compiled for NVIDIA compute capability `arch` (no GPU needed; not under
+    TRITON_INTERPRET=1) for logits of `dtype`, the transform `ops`, with label smoothing or not, with the
+    gradient pass or not, at `config` (CONFIG's keys; CONFIG by default)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pre, _, tanh, post, _ = plan(ops)
+    config = config or CONFIG
+    function = _rows_kernel
+    constexprs = {"PRE": pre, "TANH": tanh, "POST": post, "SMOOTH": smoothing, "GRAD": grad,
+                  "LANES": config["LANES"], "BLOCK": config["BLOCK"]}  # fmt: skip
+    pointers = {"z_ptr": _POINTERS[dtype], "t_ptr": "*i64", "scale_ptr": "*fp32", "loss_ptr": "*fp32"}
+    signature = {}
+    for arg in function.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in pointers:
+            signature[arg] = pointers[arg]
+        elif arg in ("columns", "stride"):
+            signature[arg] = "i32"
+        else:
+            signature[arg] = "fp32"
+    aligned = [i for i, arg in enumerate(function.arg_names) if arg.endswith("_ptr")]
+    source = ASTSource(
+        function,
+        signature,
+        constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config["num_warps"]}
+    )

@@ -67,12 +67,42 @@ def compile_case(kernel, name, dtype, precision_bit, target, integer, even, rows
     return _triton.compile_for(kernel, act, dtype, precision_bit, target, integer, even=even, rows=rows)
 
 
+# The loss's rows kernel (invact.loss._triton): every dtype, transform the kernel takes, with and without
+# label smoothing and the gradient pass, at its configuration; and bf16 with a gradient at each launch
+# configuration benchmarks/loss_floor.py sweeps on a GPU.
+_LOSS_OPS = {"none": (), "scale": (("mul", 0.0625),), "softcap": (("div", 30.0), ("tanh",), ("mul", 30.0))}
+
+
+def _loss_case_id(dtype, ops: str, smooth: bool, grad: bool) -> str:
+    what = ("smooth" if smooth else "plain") + ("-grad" if grad else "-loss")
+    return f"loss-{str(dtype).removeprefix('torch.')}-{ops}-{what}"
+
+
+LOSS_CASES = {
+    _loss_case_id(dtype, ops, smooth, grad): (dtype, _LOSS_OPS[ops], smooth, grad, None)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    for ops in _LOSS_OPS
+    for smooth in (False, True)
+    for grad in (False, True)
+}
+
+
+def _loss_configs() -> dict:
+    from invact.loss import _triton as loss_triton
+
+    return {f"loss-bf16-config-{c['BLOCK']}-{c['num_warps']}-{'lanes' if c['LANES'] else 'reduce'}":
+            (torch.bfloat16, (), False, True, c) for c in loss_triton.SWEEP}  # fmt: skip
+
+
 def _compile_all() -> None:
     """Compile every case; print {case id: None, or the error's last lines} as JSON."""
+    from invact.loss import _triton as loss_triton
+
     errors = {}
-    for case_id, case in CASES.items():
+    cases = {**CASES, **LOSS_CASES, **_loss_configs()}
+    for case_id, case in cases.items():
         try:
-            compiled = compile_case(*case)
+            compiled = loss_triton.compile_for(*case) if case_id.startswith("loss-") else compile_case(*case)
             errors[case_id] = None if compiled.asm.get("cubin") else "no cubin"
         except Exception as e:  # noqa: BLE001 - any failure is the case's result
             errors[case_id] = "\n".join(str(e).splitlines()[-12:]) or type(e).__name__
@@ -90,6 +120,6 @@ def compile_errors(tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", [*CASES, *LOSS_CASES, *_loss_configs()])
 def test_kernel_compiles_for_nvidia_gpus(compile_errors, case_id):
     assert compile_errors[case_id] is None, compile_errors[case_id]
