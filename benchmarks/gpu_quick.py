@@ -243,15 +243,18 @@ def _step_row(name: str, variant: str, small: bool, device: str, dtype, steps: i
             "warmup_s": first, "loss": loss, "tokens": batch * seq}  # fmt: skip
 
 
-def step_rows(small: bool, device: str, dtype, steps: int) -> list[dict]:
+def step_rows(small: bool, device: str, dtype, steps: int, progress=None) -> list[dict]:
     """Part 5: whole training steps (forward with labels, loss, backward, AdamW, grads to None) of each
     STEP_MODELS model in each variant, one variant at a time: median ms of `steps` synchronized steps
     after 3 warm-up steps (compilation among them), and the allocator's peak bytes over those steps
-    (weights, gradients and AdamW's state included)."""
+    (weights, gradients and AdamW's state included). `progress(rows)` after each row (a partial
+    result written: a run stopped at its time limit keeps the rows it measured)."""
     rows = []
     for name in STEP_MODELS:
         for variant in STEP_VARIANTS:
             rows.append(_step_row(name, variant, small, device, dtype, steps))
+            if progress is not None:
+                progress(rows)
             gib = (rows[-1]["peak_bytes"] or 0) / 2**30
             print(f"  {name} {variant}: {rows[-1]['ms']:.1f} ms, peak {gib:.2f} GiB", flush=True)
             torch._dynamo.reset()
@@ -443,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if "loss" in parts:
         print(f"  {time.perf_counter() - t0:.0f} s; part 2: head + loss", flush=True)
         result["loss"] = loss_row(*(LOSS_SMALL if args.small else LOSS_1B), device, dtype, args.rounds)
+        _write_checked(result, "gpu_quick", device, args.out)
     if "host" in parts:
         print(f"  {time.perf_counter() - t0:.0f} s; part 3: host time per op kind", flush=True)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -459,7 +463,12 @@ def main(argv: list[str] | None = None) -> int:
         del steps
     if "steps" in parts:
         print(f"  {time.perf_counter() - t0:.0f} s; part 5: whole training steps at real shapes", flush=True)
-        result["steps"] = step_rows(args.small, device, dtype, 3 if args.small else 8)
+
+        def progress(rows):
+            result["steps"] = rows
+            write_result(result, "gpu_quick", device, out=args.out)
+
+        result["steps"] = step_rows(args.small, device, dtype, 3 if args.small else 8, progress)
     result["seconds"] = time.perf_counter() - t0
     print()
     print(report(result))
