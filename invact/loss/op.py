@@ -46,15 +46,15 @@ from invact.memory import EARLY_GRADIENT
 log = logging.getLogger("invact")
 
 # Bytes of one chunk's logits (rows x the whole vocabulary, in the matmul's dtype), per device type: the
-# forward's one buffer of that size. CUDA's 256 MiB: 1046 rows of a 128256-word vocabulary in bf16. A
-# first version's whole head + loss (4096 x 2048 x 128256, H200, results/loss_floor_h200_prototype.json)
-# took 13.02, 12.06, 11.30 and 11.17 ms with chunks of 512, 1024, 2048 and 4096 rows (weight gradient
-# accumulated in bf16; 15.49, 12.54, 11.53, 11.37 in fp32) and peaked 642, 768, 1018 and 1519 MiB
-# above its inputs: the last halving of the time costs twice the memory. CPU's 64 MiB: 2048 x 512 x
-# 49152, 2 threads of an Intel Xeon (AMX), 32, 64 and 128 MiB chunks ran the head + loss in 0.82-0.88,
-# 0.82-0.87 and 0.63-0.84x eager's time (bf16, fp32), with PASS_BYTES of 1, 2 or 4 MiB.
+# forward's one buffer of that size. CUDA's 512 MiB: 2093 rows of a 128256-word vocabulary in bf16. On an
+# H200 (bf16, torch 2.11; results/loss_floor_h200.json) the head + loss at 4096 x 2048 x 128256 took
+# 15.71, 13.05 and 12.35 ms with 128, 256 and 512 MiB chunks, and 30.12, 25.09, 22.98 ms at 8192 tokens,
+# each peaking 1520-1546 MiB above its inputs: the weight gradient's fp32 sum (1 GiB) and its bf16 copy
+# (0.5 GiB) make the peak, not the chunk. CPU's 64 MiB: 2048 x 512 x 49152, 2 threads of an Intel Xeon
+# (AMX), 32, 64 and 128 MiB chunks ran the head + loss in 0.82-0.88, 0.82-0.87 and 0.63-0.84x eager's
+# time (bf16, fp32), with PASS_BYTES of 1, 2 or 4 MiB.
 CPU_BLOCK = 64 * 2**20
-BLOCK_BYTES = {"cpu": CPU_BLOCK, "cuda": 256 * 2**20}
+BLOCK_BYTES = {"cpu": CPU_BLOCK, "cuda": 512 * 2**20}
 # Bytes of fp32 logits the CPU passes (_rows_torch) work on at a time: a few rows, in cache.
 PASS_BYTES = 2 * 2**20
 # The fewest rows a chunk takes: the weight gradient's product sums over a chunk's rows, and a thinner
@@ -279,10 +279,17 @@ def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: 
     return loss, dh, dw, db
 
 
-def _scaled(x: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor | None:
-    """x times the loss's gradient, in place (x is the forward's own gradient buffer; a second backward
-    through the same graph finds it changed and raises torch's error on modified saved tensors)."""
-    return None if x is None else x.mul_(grad)
+def _scaled(grads: tuple, grad: torch.Tensor) -> tuple:
+    """Each of `grads` (None or the forward's own gradient buffer) times the loss's gradient, in place:
+    one foreach multiply by the 0-dim tensor (its value read on the device). A 16-bit tensor times an
+    fp32 0-dim one as Tensor.mul_ takes the mixed-dtype, broadcast path of TensorIterator: the weight and
+    hidden gradients of a 4096 x 2048 x 128256 head took 1.04 ms that way on an H200, a third of a
+    matmul (results/gpu_quick_h200_steps.json's top kernels). A second backward through the same graph
+    finds them scaled and raises torch's error on saved tensors changed in place."""
+    present = [g for g in grads if g is not None]
+    if present:
+        torch._foreach_mul_(present, grad)
+    return grads
 
 
 @direct_backward
@@ -304,8 +311,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        dh, dw, db = ctx.saved_tensors
-        return _scaled(dh, grad), _scaled(dw, grad), _scaled(db, grad), None, None, None, None, None
+        dh, dw, db = _scaled(ctx.saved_tensors, grad)
+        return dh, dw, db, None, None, None, None, None
 
 
 # torch.compile records the loss as one custom op: it returns the loss and its gradients (empty where
@@ -399,8 +406,11 @@ def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smo
           compiling: bool):  # fmt: skip
     """linear_cross_entropy on arguments it has checked: hidden (rows, in), target (rows,), reduction
     "mean" where `mean`, else "sum"; `compiling`: torch.compiler.is_compiling()."""
-    if compiling or not torch.is_grad_enabled():  # the op; without gradients, the loss alone
-        grad = torch.is_grad_enabled()
+    grad = torch.is_grad_enabled()
+    if not grad and not compiling:  # the loss alone (one matmul), on no autograd graph
+        return _forward(hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean,
+                        (False, False, False))[0]  # fmt: skip
+    if compiling:  # the op, Dynamo's one call (its gradients where any is wanted)
         needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         return torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(ops),
                                                      ignore_index, label_smoothing, mean,

@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 import invact
 import invact.loss as L
@@ -873,3 +874,51 @@ def test_on_cpu_no_fp32_chunk_is_alive_at_a_16bit_matmul(monkeypatch, needs):
     # each chunk's logits, and where the hidden's gradient is wanted its product, are 16-bit matmuls
     assert chunks and len(watch.alive_at_16bit_mm) >= (2 if h.requires_grad else 1) * (ROWS // rows)
     assert not any(watch.alive_at_16bit_mm)
+
+
+class _MatmulFlops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts 2 m k n for every matrix product the dispatcher runs, out= and in-place forms too
+    (torch's FlopCounterMode skips addmm_)."""
+
+    PRODUCTS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear")
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.PRODUCTS:
+            a, b = (args[1], args[2]) if name.startswith(("addmm", "baddbmm")) else (args[0], args[1])
+            if name == "linear":
+                b = b.t()
+            self.flops += 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_three_matmuls_with_gradients_one_without(blocks, dtype, head):
+    """Forward + backward does eager's three (rows x hidden x vocab) products (the logits, d h, d W;
+    two for a frozen head), the gradients computed in the forward; a forward under no_grad one."""
+    h, w, _, t = _case(0)
+    h = h.to(dtype).requires_grad_()
+    w = w.to(dtype).requires_grad_(head == "trained")
+    one = 2 * ROWS * HIDDEN * VOCAB
+    with _MatmulFlops() as counter:
+        L.linear_cross_entropy(h, w, t).backward()
+    assert counter.flops == (3 if head == "trained" else 2) * one
+    with torch.no_grad(), _MatmulFlops() as counter:
+        L.linear_cross_entropy(h, w, t)
+    assert counter.flops == one
+
+
+def test_a_second_backward_through_the_same_graph_raises():
+    """The gradients computed in the forward are scaled in place by the first backward: a second one
+    (retain_graph=True) raises torch's error on saved tensors changed in place, not wrong gradients."""
+    h, w, _, t = _case(0)
+    h, w = h.float().requires_grad_(), w.float().requires_grad_()
+    loss = L.linear_cross_entropy(h, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
