@@ -152,8 +152,28 @@ def main(argv=None) -> int:
                   f"peak {r['peak_mib']:8.1f} MiB  {r['tflops']:.0f} TFLOP/s")  # fmt: skip
         result["shapes"].append(row)
         del h, w, variants
-    write_result(result, "loss_floor", dev)
+    path = write_result(result, "loss_floor", dev)
+    path.with_suffix(".md").write_text(table(result) + "\n")  # the table the docs include
     return 0
+
+
+def table(result: dict) -> str:
+    """The markdown of a result: the kernel's configurations, then per shape each variant's ms, its
+    ratio to the three matmuls' sum, its peak above the inputs and its matmuls' TFLOP/s."""
+    sweep = sorted(result["sweep"], key=lambda r: r["ms"])
+    best, worst = sweep[0], sweep[-1]
+    lines = [f"{result['device']}, torch {result['torch']}, triton {result['triton']}, bf16; the rows kernel "
+             f"over 4096 x 128256 logits at {len(sweep)} launch configurations: {best['ms']:.3f} ms "
+             f"({best['gbps']:.0f} GB/s counting two reads and a write; datasheet {result['peak_gbps']:.0f}) "
+             f"to {worst['ms']:.3f} ms", "",
+             "| tokens x hidden x vocab | variant | ms | x three matmuls | peak MiB above inputs | TFLOP/s |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in result["shapes"]:
+        shape = f"{row['tokens']} x {row['hidden']} x {row['vocab']}"
+        for k, r in row["variants"].items():
+            lines.append(f"| {shape} | {k} | {r['ms']:.2f} | {r['ms'] / row['floor_ms']:.2f} | "
+                         f"{r['peak_mib']:.0f} | {r['tflops']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

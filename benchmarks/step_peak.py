@@ -7,7 +7,10 @@ The models (transformers, random weights from a config, nothing downloaded; --mo
 Llama-style decoder, 2 layers, hidden 128, SwiGLU 352, vocabulary 128256 (Llama 3's), untied head;
 "gpt2", GPT-2's head and loss (its loss_type is None), 2 layers of 128, vocabulary 50257; "qwen2-vl",
 a Qwen2-VL with one 56 x 56 image (2 vision layers of 64, 4 image tokens) and 2 text layers of 128,
-vocabulary 151936. Batch 2 x seq 256 (Qwen2-VL: 1 x 512, the image among the tokens), in
+vocabulary 151936; "wide", the Llama-style decoder at hidden 512 (SwiGLU 1408) and vocabulary 49152,
+the width at which the loss's CPU time is judged, at seq 1024. Each step is also timed (median ms).
+Batch 2 x seq 256
+(Qwen2-VL: 1 x 512, the image among the tokens), in
 fp32 and bf16. Each variant runs in a process of its own, so that nothing one leaves behind counts
 against another, with glibc's mmap threshold at 64 KiB (MALLOC_MMAP_THRESHOLD_): every tensor above it
 is mapped and unmapped on free, so the resident set follows what torch holds instead of what the heap
@@ -29,6 +32,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +43,11 @@ VARIANTS = {"eager": None, "patch(loss=False)": {"loss": False}, "patch()": {}}
 MODEL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
 SMALL = MODEL | dict(hidden_size=32, intermediate_size=64, vocab_size=8000)
+# "wide": hidden 512, vocabulary 49152 (SmolLM's), the width at which the loss's time is judged on a CPU
+WIDE = MODEL | dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
+                    vocab_size=49152)  # fmt: skip
 BATCH, SEQ = 2, 256
+WIDE_SEQ = 1024  # "wide": 2048 tokens a step, where the loss's tensors, not the gradients, make the peak
 MMAP_THRESHOLD = 64 * 1024
 
 
@@ -49,11 +57,9 @@ def _kib(field: str) -> int:
 
 
 def _vocab(name: str, small: bool) -> int:
-    return (
-        (SMALL if small else MODEL)["vocab_size"]
-        if name == "llama"
-        else {"gpt2": 50257, "qwen2-vl": 151936}[name]
-    )
+    if small and name in ("llama", "wide"):
+        return SMALL["vocab_size"]
+    return {"llama": MODEL["vocab_size"], "wide": WIDE["vocab_size"], "gpt2": 50257, "qwen2-vl": 151936}[name]
 
 
 def _model(name: str, small: bool):
@@ -62,8 +68,8 @@ def _model(name: str, small: bool):
 
     g = torch.Generator().manual_seed(1)
     vocab = _vocab(name, small)
-    if name == "llama":
-        model = T.LlamaForCausalLM(T.LlamaConfig(**(SMALL if small else MODEL)))
+    if name in ("llama", "wide"):
+        model = T.LlamaForCausalLM(T.LlamaConfig(**(SMALL if small else WIDE if name == "wide" else MODEL)))
     elif name == "gpt2":
         width = 32 if small else 128
         model = T.GPT2LMHeadModel(
@@ -88,7 +94,7 @@ def _model(name: str, small: bool):
         return model, dict(
             input_ids=ids, labels=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types
         )
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (BATCH, WIDE_SEQ if name == "wide" and not small else SEQ), generator=g)
     return model, dict(input_ids=ids, labels=ids)
 
 
@@ -117,19 +123,22 @@ def _child(
         return loss.item()
 
     losses = [step()]  # creates the gradients and AdamW's state
-    peaks = []
+    peaks, times = [], []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
         before = _kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident set
+        start = time.perf_counter()
         losses.append(step())
+        times.append((time.perf_counter() - start) * 1e3)
         peaks.append(_kib("VmHWM") - before)
     with invact.memory.count_saved(model) as counter:
         model(**inputs)
     return {"peak_bytes": statistics.median(peaks), "peaks": peaks, "losses": losses,
-            "saved_bytes": counter.report.saved_bytes}  # fmt: skip
+            "saved_bytes": counter.report.saved_bytes, "ms": statistics.median(times), "step_ms": times,
+            "threads": torch.get_num_threads()}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per variant (default 5)")
     parser.add_argument("--small", action="store_true", help="a small model (a check that it runs)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default: results/)")
-    parser.add_argument("--model", choices=("llama", "gpt2", "qwen2-vl"), default="llama",
+    parser.add_argument("--model", choices=("llama", "wide", "gpt2", "qwen2-vl"), default="llama",
                         help="the model (default llama; see above)")  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="both sides under torch.compile")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
@@ -145,7 +154,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(_child(*args.child, args.small, args.steps, args.model, args.compile)))
         return 0
-    config = SMALL if args.small else MODEL
+    config = SMALL if args.small else WIDE if args.model == "wide" else MODEL
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     rows = []
     flags = (
@@ -161,14 +170,16 @@ def main(argv=None) -> int:
             row["variants"][variant] = json.loads(done.stdout.strip().splitlines()[-1])
             print(dtype, variant, row["variants"][variant]["peak_bytes"] / 2**20, "MiB", flush=True)
         rows.append(row)
-    tokens = BATCH * SEQ
+    seq = WIDE_SEQ if args.model == "wide" and not args.small else SEQ
+    tokens = BATCH * seq
     result = {
         "device": device_name("cpu"),
         "torch": torch.__version__,
-        "model": config if args.model == "llama" else args.model,
+        "model": config if args.model in ("llama", "wide") else args.model,
+        "name": args.model,
         "compiled": args.compile,
         "batch": BATCH,
-        "seq": SEQ,
+        "seq": seq,
         "fp32_logits_bytes": tokens * _vocab(args.model, args.small) * 4,
         "mmap_threshold": MMAP_THRESHOLD,
         "rows": rows,
@@ -183,7 +194,7 @@ def main(argv=None) -> int:
 
 def _which(result: dict) -> str:
     """The model and mode where they are not the original run's (Llama, eager): "gpt2 compiled, "."""
-    name = result["model"] if isinstance(result["model"], str) else "llama"
+    name = result.get("name") or (result["model"] if isinstance(result["model"], str) else "llama")
     compiled = result.get("compiled", False)
     return "" if name == "llama" and not compiled else f"{name}{' compiled' if compiled else ''}, "
 
@@ -205,6 +216,15 @@ def table(result: dict) -> str:
         saved = f"{v['eager']['saved_bytes'] / mib:.1f} -> {v['patch()']['saved_bytes'] / mib:.1f}"
         cells = " | ".join(f"{v[n]['peak_bytes'] / mib:.1f}" for n in VARIANTS)
         lines.append(f"| {r['dtype']} | {cells} | {drop:.1f} | {saved} |")
+    if all("ms" in v for r in result["rows"] for v in r["variants"].values()):  # runs that timed steps
+        threads = result["rows"][0]["variants"]["eager"].get("threads")
+        lines += ["", f"Median step ms ({threads} threads)", "",
+                  "| dtype | " + " | ".join(VARIANTS) + " | patch() / eager |",
+                  "|---" * (len(VARIANTS) + 2) + "|"]  # fmt: skip
+        for r in result["rows"]:
+            v = r["variants"]
+            cells = " | ".join(f"{v[n]['ms']:.1f}" for n in VARIANTS)
+            lines.append(f"| {r['dtype']} | {cells} | {v['patch()']['ms'] / v['eager']['ms']:.3f} |")
     return "\n".join(lines)
 
 

@@ -105,10 +105,23 @@ def test_the_gpu_quick_figures_are_the_committed_results():
     docs = (ROOT / "docs" / "results" / "speed-gpu.md").read_text()
     for table in (gpu_quick.llama_report(main), gpu_quick.llama_report(new), gpu_quick.loss_report(loss)):
         assert table in docs
-    llama, head = _table_rows((ROOT / "README.md").read_text(), "| setup | torch | invact | torch.compile |")
+    llama, head, _ = _table_rows((ROOT / "README.md").read_text(), "| setup | torch | invact | torch.compile |")
     r = new["llama"]
     assert llama[1:] == [f"{r['eager_wall_ms']:.2f} ms", f"{r['patch_wall_ratio']:.2f}x",
                          f"{r['compile_wall_ms']:.2f} ms",
                          f"{r['compile_patch_wall_ratio']:.2f}x"]  # fmt: skip
-    v = loss["variants"]
-    assert head[1:3] == [f"{v['eager']['ms']:.2f} ms", f"{v['invact']['ratio_to_eager']:.2f}x"]
+    quick = json.loads((RESULTS / "gpu_quick_h200_steps.json").read_text())
+    v = quick["loss"]["variants"]
+    assert head[1:] == [f"{v['eager']['ms']:.2f} ms", f"{v['invact']['ratio_to_eager']:.2f}x",
+                        f"{v['eager compiled']['ms']:.2f} ms",
+                        f"{v['invact compiled']['ms'] / v['eager compiled']['ms']:.2f}x"]  # fmt: skip
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    steps = {r["variant"]: r for r in quick["steps"] if r["model"].startswith("Llama-3.2-1B")}
+    assert (f"| {steps['eager']['ms']:.1f} ms | {steps['patch']['ms'] / steps['eager']['ms']:.2f}x | "
+            f"{steps['compile']['ms']:.1f} ms |") in readme  # fmt: skip
+    gib = {k: f"{r['peak_bytes'] / 2**30:.2f}" for k, r in steps.items()}
+    peaks = f"{gib['patch']} GiB patched against eager's {gib['eager']} and compiled torch's {gib['compile']}"
+    assert f"peaks at {peaks}" in readme
+    assert f"holds {v['invact']['held_after_forward_mib']:.0f} MiB after its forward" in readme
+    for table in (gpu_quick.loss_report(quick["loss"]).strip(), gpu_quick.steps_report(quick["steps"])):
+        assert table in docs
