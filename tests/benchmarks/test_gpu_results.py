@@ -105,7 +105,8 @@ def test_the_gpu_quick_figures_are_the_committed_results():
     docs = (ROOT / "docs" / "results" / "speed-gpu.md").read_text()
     for table in (gpu_quick.llama_report(main), gpu_quick.llama_report(new), gpu_quick.loss_report(loss)):
         assert table in docs
-    llama, head, _ = _table_rows((ROOT / "README.md").read_text(), "| setup | torch | invact | torch.compile |")
+    readme_rows = _table_rows((ROOT / "README.md").read_text(), "| setup | torch | invact | torch.compile |")
+    llama, head, _ = readme_rows
     r = new["llama"]
     assert llama[1:] == [f"{r['eager_wall_ms']:.2f} ms", f"{r['patch_wall_ratio']:.2f}x",
                          f"{r['compile_wall_ms']:.2f} ms",
