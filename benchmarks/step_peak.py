@@ -40,6 +40,10 @@ import torch
 from timing import RESULTS, device_name, write_result
 
 VARIANTS = {"eager": None, "patch(loss=False)": {"loss": False}, "patch()": {}}
+# --kinds: patch() of one op kind at a time (the others left out), for what each does under --compile
+KIND_VARIANTS = {"eager": None, "activation + gated MLP": dict(gated=True, norms=False, loss=False),
+                 "norm": dict(exclude="*", gated=False, norms=True, loss=False),
+                 "loss": dict(exclude="*", gated=False, norms=False, loss=True), "patch()": {}}  # fmt: skip
 MODEL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
 SMALL = MODEL | dict(hidden_size=32, intermediate_size=64, vocab_size=8000)
@@ -111,8 +115,9 @@ def _child(
     model = model.to(getattr(torch, dtype)).train()
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(getattr(torch, dtype))
-    if VARIANTS[variant] is not None:
-        invact.patch(model, **VARIANTS[variant])
+    options = (VARIANTS | KIND_VARIANTS)[variant]
+    if options is not None:
+        invact.patch(model, **options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run = torch.compile(model) if compiled else model
 
@@ -149,6 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=("llama", "wide", "gpt2", "qwen2-vl"), default="llama",
                         help="the model (default llama; see above)")  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="both sides under torch.compile")
+    what = "patch() of one op kind at a time (activation + gated MLP; norm; loss) and of all"
+    parser.add_argument("--kinds", action="store_true", help=what)
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
     )
     for dtype in ("float32", "bfloat16"):
         row = {"dtype": dtype, "variants": {}}
-        for variant in VARIANTS:
+        for variant in KIND_VARIANTS if args.kinds else VARIANTS:
             command = [sys.executable, __file__, "--child", variant, dtype, "--steps", str(args.steps)]
             done = subprocess.run(command + flags, env=env, capture_output=True, text=True, check=True)
             row["variants"][variant] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -187,6 +194,7 @@ def main(argv=None) -> int:
     print()
     print(table(result))
     suffix = ("" if args.model == "llama" else f"_{args.model}") + ("_compiled" if args.compile else "")
+    suffix += "_kinds" if args.kinds else ""
     path = write_result(result, "step_peak", "cpu", out=args.out or RESULTS / f"step_peak_cpu{suffix}.json")
     path.with_suffix(".md").write_text(table(result) + "\n")  # the table the docs include
     return 0
@@ -201,29 +209,30 @@ def _which(result: dict) -> str:
 
 def table(result: dict) -> str:
     mib = 2**20
+    names = list(result["rows"][0]["variants"])
     lines = [
         "Peak of a whole training step above the resident set before it (MiB; median of steps), "
         + _which(result)
         + f"{result['device']}, torch {result['torch']}; one fp32 (tokens x vocab) tensor = "
         f"{result['fp32_logits_bytes'] / mib:.1f} MiB",
         "",
-        "| dtype | " + " | ".join(VARIANTS) + " | eager - patch() | saved for backward: eager -> patch() |",
-        "|---" * (len(VARIANTS) + 3) + "|",
+        "| dtype | " + " | ".join(names) + " | eager - patch() | saved for backward: eager -> patch() |",
+        "|---" * (len(names) + 3) + "|",
     ]
     for r in result["rows"]:
         v = r["variants"]
         drop = (v["eager"]["peak_bytes"] - v["patch()"]["peak_bytes"]) / mib
         saved = f"{v['eager']['saved_bytes'] / mib:.1f} -> {v['patch()']['saved_bytes'] / mib:.1f}"
-        cells = " | ".join(f"{v[n]['peak_bytes'] / mib:.1f}" for n in VARIANTS)
+        cells = " | ".join(f"{v[n]['peak_bytes'] / mib:.1f}" for n in names)
         lines.append(f"| {r['dtype']} | {cells} | {drop:.1f} | {saved} |")
     if all("ms" in v for r in result["rows"] for v in r["variants"].values()):  # runs that timed steps
         threads = result["rows"][0]["variants"]["eager"].get("threads")
         lines += ["", f"Median step ms ({threads} threads)", "",
-                  "| dtype | " + " | ".join(VARIANTS) + " | patch() / eager |",
-                  "|---" * (len(VARIANTS) + 2) + "|"]  # fmt: skip
+                  "| dtype | " + " | ".join(names) + " | patch() / eager |",
+                  "|---" * (len(names) + 2) + "|"]  # fmt: skip
         for r in result["rows"]:
             v = r["variants"]
-            cells = " | ".join(f"{v[n]['ms']:.1f}" for n in VARIANTS)
+            cells = " | ".join(f"{v[n]['ms']:.1f}" for n in names)
             lines.append(f"| {r['dtype']} | {cells} | {v['patch()']['ms'] / v['eager']['ms']:.3f} |")
     return "\n".join(lines)
 

@@ -329,7 +329,11 @@ def _take(module: nn.Module, name: str, compiling: bool):
         if value is not None:
             setattr(module, name, None)
         return value
-    return module.__dict__.pop(name, None)
+    state = module.__dict__
+    value = state.get(name)
+    if value is not None:
+        state[name] = None
+    return value
 
 
 def _arm(model, args, kwargs):
@@ -459,6 +463,13 @@ def take(model: nn.Module, name: str) -> None:
     model._invact_head_path = tuple(name.split("."))
     model.forward = _Armed(model)
     model._invact_loss_hooked = True
+    # The per-call state, set before the first call (and left None, not deleted, by _take): under compile
+    # a first call that created an attribute recompiled at the second (Dynamo guards on whether it
+    # exists: a second graph of the whole model).
+    vars(model).setdefault("_invact_arms", [])
+    for name in ("_invact_hidden", "_invact_standin", "_invact_output"):
+        vars(head).setdefault(name, None)
+    vars(head).setdefault("_invact_armed", 0)
 
 
 def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:

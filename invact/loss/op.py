@@ -50,10 +50,13 @@ log = logging.getLogger("invact")
 # H200 (bf16, torch 2.11; results/loss_floor_h200.json) the head + loss at 4096 x 2048 x 128256 took
 # 15.71, 13.05 and 12.35 ms with 128, 256 and 512 MiB chunks, and 30.12, 25.09, 22.98 ms at 8192 tokens,
 # each peaking 1520-1546 MiB above its inputs: the weight gradient's fp32 sum (1 GiB) and its bf16 copy
-# (0.5 GiB) make the peak, not the chunk. CPU's 64 MiB: 2048 x 512 x 49152, 2 threads of an Intel Xeon
-# (AMX), 32, 64 and 128 MiB chunks ran the head + loss in 0.82-0.88, 0.82-0.87 and 0.63-0.84x eager's
-# time (bf16, fp32), with PASS_BYTES of 1, 2 or 4 MiB.
-CPU_BLOCK = 64 * 2**20
+# (0.5 GiB) make the peak, not the chunk. CPU's 256 MiB: per chunk the weight gradient's product is
+# written whole and added into its fp32 sum, which costs most where the CPU's memory is slow; 2048 x
+# 512 x 49152 on 2 threads of an Intel Xeon (AMX), forward + backward, against torch.compile's own head +
+# loss (0.527 s bf16, 1.483 s fp32): 64, 128 and 256 MiB chunks took 0.897, 0.657, 0.512 s in bf16 and
+# 1.580, 1.507, 1.454 s in fp32 (eager's head + loss: 0.93 and 1.64 s). PASS_BYTES of 1, 2 or 4 MiB
+# made no difference there beyond the noise.
+CPU_BLOCK = 256 * 2**20
 BLOCK_BYTES = {"cpu": CPU_BLOCK, "cuda": 512 * 2**20}
 # Bytes of fp32 logits the CPU passes (_rows_torch) work on at a time: a few rows, in cache.
 PASS_BYTES = 2 * 2**20
