@@ -41,8 +41,10 @@ clean:
 gpu:  ## the GPU suite (needs a CUDA device)
 	PYTHON=$(PYTHON) bash benchmarks/gpu_suite.sh $(PARTS)
 
-# The short GPU check: at most 4 minutes on an H100 (benchmarks/gpu_quick.py: the Llama-shaped step
-# eager / patch() / compiled / compiled + patch(), head + loss at Llama-3.2-1B's shape, host time per
-# op kind, the compiled patched step's top host costs). Run it first whenever a GPU is at hand.
+# The short GPU check (benchmarks/gpu_quick.py: the Llama-shaped step eager / patch() / compiled /
+# compiled + patch(), head + loss at Llama-3.2-1B's shape against its three matmuls, host time per op
+# kind, the compiled patched step's top host costs, whole training steps at real shapes). Run it first
+# whenever a GPU is at hand. Parts 1-4 took 2 minutes on an H200 (torch 2.11); the whole steps'
+# compiles take minutes more (benchmarks/gpu_quick.py --parts runs some parts).
 gpu-quick:  ## the short GPU check (needs a CUDA device)
 	PYTHON=$(PYTHON) bash benchmarks/gpu_suite.sh quick

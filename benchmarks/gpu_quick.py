@@ -1,4 +1,4 @@
-"""The short GPU check (`make gpu-quick`, a few minutes on an H100): what decides whether a GPU user keeps
+"""The short GPU check (`make gpu-quick`): what decides whether a GPU user keeps
 patch() on, in bf16, each figure side by side with torch in one process.
 
 1. A Llama-3.1-8B-shaped decoder (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, 2 layers,
@@ -8,15 +8,20 @@ patch() on, in bf16, each figure side by side with torch in one process.
    the step costs when the host keeps up), with the TFLOP/s each implies against the datasheet.
 2. A causal LM's head + loss at Llama-3.2-1B's shape (4096 tokens x hidden 2048 x vocabulary 128256):
    eager (Hugging Face's: bf16 logits, their fp32 copy, F.cross_entropy) against
-   invact.loss.linear_cross_entropy (patch()'s), forward + backward, with the bytes each forward
-   leaves held.
+   invact.loss.linear_cross_entropy (patch()'s), each also under torch.compile, forward + backward,
+   beside its floor, the three (tokens x hidden x vocab) matmuls alone timed in the same rounds, with
+   the bytes each forward leaves held.
 3. Host microseconds per op kind (benchmarks/host_time.py's setups: activation, gated MLP, norm, loss,
    and a tiny Llama step), eager and compiled, fewer rounds than host_time.py's own.
 4. The top host costs of the compiled patched 8B-shaped step (profiler, self CPU time per step), and
    the calls of invact's own ops in it.
+5. Whole training steps at real shapes (STEP_MODELS: the Llama-3.2-1B- and Qwen2.5-0.5B-shaped configs
+   of benchmarks/configs, 8 layers, real vocabularies, batch 4 x seq 2048, bf16, AdamW): eager,
+   patch(), torch.compile, torch.compile + patch(), ms and the allocator's peak, under "steps".
 
-Writes benchmarks/results/gpu_quick_<device>.json and prints one markdown report. --small runs
-every part at tiny shapes (on a CPU too: a check that the script runs).
+--parts runs some of them. Writes benchmarks/results/gpu_quick_<device>.json (after the loss and after
+each whole step too: a run stopped at its time limit keeps what it measured) and prints one markdown
+report. --small runs every part at tiny shapes (on a CPU too: a check that the script runs).
 """
 
 from __future__ import annotations

@@ -38,8 +38,17 @@ def test_small_run_writes_every_part(tmp_path):
         data["loss"]["variants"]["invact"]["held_after_forward_mib"]
         < data["loss"]["variants"]["eager"]["held_after_forward_mib"]
     )
+    loss = data["loss"]
+    assert {"eager compiled", "invact compiled"} <= set(loss["variants"])
+    assert loss["floor_ms"] == pytest.approx(sum(m["ms"] for m in loss["matmuls"].values()))
     assert {row["kind"] for row in data["host"]} == {"activation", "mlp", "norm", "loss", "step"}
     assert data["profile"]["top"]
+    # the whole steps: every model in every variant, named as the consumers read them
+    steps = data["steps"]
+    assert {(r["model"], r["variant"]) for r in steps} == {
+        (m, v) for m in gpu_quick.STEP_MODELS for v in ("eager", "patch", "compile", "compile+patch")
+    }
+    assert all(r["ms"] > 0 and "peak_bytes" in r for r in steps)
     assert "| compile + patch |" in proc.stdout and "top host costs" in proc.stdout
 
 
