@@ -73,6 +73,7 @@ def _module(name: str):
         ("step_peak", "step_peak_cpu_gpt2_compiled", lambda m, r: m.table(r)),
         ("step_peak", "step_peak_cpu_qwen2-vl", lambda m, r: m.table(r)),
         ("step_peak", "step_peak_cpu_qwen2-vl_compiled", lambda m, r: m.table(r)),
+        ("step_peak", "step_peak_cpu_wide_compiled_kinds", lambda m, r: m.table(r)),
         ("plan_lm", "plan_lm", lambda m, r: m.table(r)),
         ("memory", "memory_lm_cpu", lambda m, r: m.markdown_lm(r["rows"])),
         ("memory", "memory_lm_cpu_bfloat16", lambda m, r: m.markdown_lm(r["rows"])),
@@ -148,3 +149,39 @@ def test_the_compiled_step_peaks_in_the_docs_are_the_results():
     assert f"bf16 Qwen2-VL by {qwen:.0f} MiB" in text
     assert f"the Llama-style decoder by {llama:.0f} MiB" in text
     assert f"GPT-2 by {gpt2:.0f} MiB: there compile alone's whole step peaks at" in text
+
+
+def test_the_kinds_under_compile_figures_in_the_docs_are_the_results():
+    """docs/patching.md's per-kind paragraph quotes step_peak.py --model wide --compile --kinds."""
+    result = json.loads((RESULTS / "step_peak_cpu_wide_compiled_kinds.json").read_text())
+    rows = {r["dtype"]: r["variants"] for r in result["rows"]}
+
+    def peak(kind, base="eager"):
+        change = [
+            rows[d][kind]["peak_bytes"] / rows[d][base]["peak_bytes"] - 1 for d in ("float32", "bfloat16")
+        ]
+        return [f"{abs(c):.1%}" if abs(c) < 5e-4 else f"{c:+.1%}".replace("+", "") for c in change]
+
+    times = [
+        rows[d][k]["ms"] / rows[d]["eager"]["ms"] - 1
+        for d in rows
+        for k in rows[d]
+        if k not in ("eager", "patch()")
+    ]
+    text = " ".join((ROOT / "docs" / "patching.md").read_text().split())
+    loss, act, norm = peak("loss"), peak("activation + gated MLP"), peak("norm")
+    whole, rest = peak("patch()"), peak("patch()", "loss")
+    figures = [
+        f"the loss {loss[0]} (fp32) and {loss[1]} (bf16), the activation with the gated MLP {act[0]} and "
+        f"{act[1]}, the norm {norm[0]} and {norm[1]}",
+        f"all of `patch()` is {whole[0]} and {whole[1]} against compile alone ({rest[0]} and {rest[1]} "
+        "against the loss alone), in "
+        + " and ".join(
+            f"{rows[d]['patch()']['ms'] / rows[d]['eager']['ms']:.2f}x" for d in ("float32", "bfloat16")
+        ),
+        f"The kinds' own times ({min(times):+.1%} to {max(times):+.1%} of compile alone's)".replace(
+            "(+", "("
+        ),
+    ]
+    missing = [f for f in figures if f not in text]
+    assert not missing, missing
