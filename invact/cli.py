@@ -39,9 +39,9 @@ forward's output (eager: the logits, batch x seq x vocab, and the loss; printed 
 gradients, optimizer state, and what backward allocates.
 Head and loss: what the output head (lm_head) and the model's loss save. Eager, Hugging Face's loss
 upcasts the logits and its log-softmax saves an fp32 (tokens x vocab) tensor; patch() computes the
-loss from the hidden state and the head's weight a vocabulary block at a time (invact.loss), keeping
-per token one fp32 log-sum-exp, the target and an index. --no-labels runs the forward without labels
-(no loss); --no-loss plans patch(loss=False).
+loss and its gradients from the hidden state and the head's weight a chunk of rows at a time
+(invact.loss), keeping the hidden states' gradient (the head weight's counts as its gradient).
+--no-labels runs the forward without labels (no loss); --no-loss plans patch(loss=False).
 
 Kinds: each saved storage counts where it was first saved (the innermost module running then), an
 activation's output with the activation wherever it is saved, and a gated product act(g) * u, what a

@@ -68,7 +68,7 @@ def plan(
     `loss`: also one Decision (kind "loss") for a causal LM's head (invact.loss.head_of: a Hugging Face
     model whose loss is transformers' causal-LM loss and whose output embeddings are an nn.Linear),
     named for the head: replaced means a training forward with labels computes the loss from the
-    hidden state and the head's weight a vocabulary block at a time (no logits kept; its output's
+    hidden state and the head's weight a chunk of rows at a time (no logits kept; its output's
     `logits` computed on demand, invact.loss.PendingLogits). include/exclude do not apply to it."""
     return _plan(model, _options(include, exclude, mode, example_inputs, gated, norms, loss))
 
@@ -131,8 +131,8 @@ def patch(
     patch(norms=True): a model loaded again holds torch's norms).
 
     `loss` (default True): a causal LM (see plan()) called in training mode with labels and gradients
-    enabled computes its loss from the last hidden state and the head's weight, a vocabulary block at
-    a time (invact.loss): no (tokens x vocab) logits kept for backward or materialized whole, the
+    enabled computes its loss and gradients from the last hidden state and the head's weight, a chunk of
+    rows at a time (invact.loss): no (tokens x vocab) logits kept for backward or materialized whole, the
     model's own loss semantics kept (label shift, ignore_index, num_items_in_batch, logits_to_keep,
     softcapping and logit scales); its output's `logits` is then None. Inference, eval mode and calls
     without labels are unchanged. loss=False leaves the head as it is."""

@@ -13,8 +13,7 @@ training-mode forward with labels and gradients enabled:
   computes the loss from that input, the transform read from the model's settings at the call. The
   model's own scalings run on the empty stand-in, for nothing. Eager does so unless a forward hook
   could see the stand-in; torch.compile always (Dynamo traces tensors), with the custom op
-  invact::linear_cross_entropy: the same vocabulary blocks, saving the hidden state and the
-  log-sum-exp;
+  invact::linear_cross_entropy: the same chunks and kernels, its gradients computed in its forward;
 - elsewhere, eager's head returns a `PendingLogits`: an object that is not a tensor, takes the
   model's scalings, tanh, `.float()` and `.view`, and computes the loss when the model's loss function
   hands it to F.cross_entropy (class indices, ignore_index, reduction "mean" or "sum", label
