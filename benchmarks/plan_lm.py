@@ -61,7 +61,7 @@ def table(result: dict) -> str:
             f"| {r['model']} | {e / gib:.2f} GiB | {r['patched_bytes'] / gib:.2f} GiB "
             f"({r['patched_bytes'] / e - 1:+.1%}) | {r['no_loss_bytes'] / gib:.2f} GiB "
             f"({r['no_loss_bytes'] / e - 1:+.1%}) | {r['head_loss_eager_bytes'] / gib:.2f} GiB | "
-            f"{r['head_loss_patched_bytes'] / 2**10:.1f} KiB | {ratio:.4%} |"
+            f"{r['head_loss_patched_bytes'] / 2**20:.1f} MiB | {ratio:.2%} |"
         )
     return "\n".join(lines)
 

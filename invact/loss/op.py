@@ -339,6 +339,9 @@ def _op_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
              needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     loss, dh, dw, db = _forward(hidden, weight, bias, target, _decode_ops(ops), ignore_index, smoothing, mean,
                                 needs)  # fmt: skip
+    for g in (dw, db):  # the parameters' gradients, as the eager Function marks them
+        if g is not None:
+            setattr(g, EARLY_GRADIENT, True)
     # an output is a tensor: a fresh empty one where no gradient is wanted
     return (loss, hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw,
             weight.new_empty(0) if db is None else db)  # fmt: skip
