@@ -121,7 +121,7 @@ def _chunk_slack(h, w, b, t, ops, dtype) -> float:
     (invact.loss.op._accumulate): each chunk's 16-bit product P_c = d_c^T h_c is rounded once, which
     adds at most u/2 |P_c| elementwise, so at most u/2 sum_c ||P_c|| / ||d W|| in norm (P_c from the
     float64 reference's logit gradient d); 0 where the rows are one chunk."""
-    rows = loss_op.chunk_rows(ROWS, VOCAB, dtype.itemsize, "cpu")
+    rows = loss_op.chunk_rows(ROWS, VOCAB, dtype.itemsize, "cpu", 4 * VOCAB * HIDDEN)
     if rows >= ROWS:
         return 0.0
     z = F.linear(h, w, b).requires_grad_()
@@ -841,7 +841,9 @@ def test_on_cpu_no_fp32_chunk_is_alive_at_a_16bit_matmul(monkeypatch, needs):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     _many_chunks(monkeypatch)
-    rows = loss_op.chunk_rows(ROWS, VOCAB, 2, "cpu")
+    rows = loss_op.chunk_rows(
+        ROWS, VOCAB, 2, "cpu", 4 * VOCAB * HIDDEN if needs == "hidden and weight" else 0
+    )
     h, w, _, t = _case(0)
     h = h.to(torch.bfloat16).requires_grad_(needs == "hidden and weight")
     w = w.to(torch.bfloat16).requires_grad_()
@@ -922,3 +924,33 @@ def test_a_second_backward_through_the_same_graph_raises():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+class _LogitsProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products whose result has `columns` columns (a chunk's logits)."""
+
+    def __init__(self, columns: int):
+        super().__init__()
+        self.columns, self.calls = columns, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "addmm") and out.shape[-1] == self.columns:
+            self.calls += 1
+        return out
+
+
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_rows_whose_logits_fit_the_weight_gradients_fp32_sum_are_one_chunk(monkeypatch, head):
+    """Where the rows' logits take no more bytes than the fp32 sum of the weight gradient that several
+    chunks would need, they are one chunk (no sum, the same peak): one logits matmul for all rows. A
+    frozen head needs no such sum, and keeps BLOCK_BYTES's chunks."""
+    _many_chunks(monkeypatch)
+    rows, hidden = 24, 160  # 24 x 1500 x 4 bytes of logits, 4 x 1500 x 160 of the weight's fp32 sum
+    h = torch.randn(rows, hidden, requires_grad=True)
+    w = torch.randn(VOCAB, hidden, requires_grad=head == "trained")
+    t = torch.randint(0, VOCAB, (rows,))
+    with _LogitsProducts(VOCAB) as counter:
+        L.linear_cross_entropy(h, w, t)
+    several = -(-rows // loss_op.chunk_rows(rows, VOCAB, 4, "cpu"))
+    assert several > 1 and counter.calls == (1 if head == "trained" else several)
