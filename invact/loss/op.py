@@ -60,25 +60,33 @@ CPU_BLOCK = 256 * 2**20
 BLOCK_BYTES = {"cpu": CPU_BLOCK, "cuda": 512 * 2**20}
 # Bytes of fp32 logits the CPU passes (_rows_torch) work on at a time: a few rows, in cache.
 PASS_BYTES = 2 * 2**20
+# The smallest chunk (bytes of logits) where the head is small.
+MIN_BYTES = 4 * 2**20
 # The fewest rows a chunk takes: the weight gradient's product sums over a chunk's rows, and a thinner
 # one runs below the GEMM's speed and adds one more pass over the weight gradient per chunk.
 MIN_ROWS = 64
 
 
-def chunk_rows(rows: int, vocab: int, itemsize: int, device: torch.device | str, accumulator: int = 0) -> int:
-    """Rows per chunk for `rows` rows on `device` (or a device type): BLOCK_BYTES of logits of `itemsize`
-    bytes an element (CUDA's figure on other accelerators), at least MIN_ROWS, at most `rows`; all the
-    rows where their logits take no more than `accumulator` bytes, the weight gradient's fp32 sum that
-    several chunks would need (4 x vocab x hidden where that gradient is wanted, else 0): one chunk then
-    holds no more at its peak than several with their sum, and skips the sum's passes. On an H200 (bf16,
-    4096 x 2048 x 128256, results/loss_floor_h200_prototype.json) one chunk of the 4096 rows took 11.17
-    ms and peaked 1519 MiB above its inputs, chunks of 1024 rows with the fp32 sum 12.54 ms and 1519."""
+def chunk_rows(rows: int, vocab: int, itemsize: int, device: torch.device | str, head: int = 0,
+               summed: bool = False) -> int:  # fmt: skip
+    """Rows per chunk for `rows` rows on `device` (or a device type), `head` the bytes of the head weight
+    in fp32 (4 x vocab x hidden: the weight gradient's fp32 sum, which several chunks need where that
+    gradient is wanted, `summed`): a chunk's logits (`itemsize` bytes an element) take at most that many
+    bytes (MIN_BYTES at least) and at most BLOCK_BYTES (CUDA's figure on other accelerators), at least
+    MIN_ROWS rows and at most `rows`; and where `summed`, all the rows are one chunk where their logits
+    fit in `head` bytes (no sum needed: the same peak, and no passes over the sum).
+
+    The chunk no larger than the fp32 sum: the step's transient stays the head's size, not the tokens',
+    and the sum's passes (one read and write of it a chunk) add at most one pass over the logits' bytes.
+    On an H200 (bf16, 4096 x 2048 x 128256, results/loss_floor_h200_prototype.json) one chunk of the
+    4096 rows took 11.17 ms and peaked 1519 MiB above its inputs, chunks of 1024 rows with the fp32 sum
+    12.54 ms and 1519."""
     kind = device if type(device) is str else device.type
     if kind == "meta":  # a planned step: as on the device type it is planned for
         kind = stands_for()
-    if rows * vocab * itemsize <= accumulator:
+    if summed and rows * vocab * itemsize <= head:
         return max(1, rows)
-    budget = BLOCK_BYTES.get(kind, BLOCK_BYTES["cuda"])
+    budget = min(BLOCK_BYTES.get(kind, BLOCK_BYTES["cuda"]), max(head, MIN_BYTES))
     return max(1, min(rows, max(MIN_ROWS, budget // (itemsize * max(vocab, 1)))))
 
 
@@ -241,7 +249,7 @@ def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: 
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     grad = need_h or need_w or need_b
     dtype = _compute_dtype(h, weight, kind)
-    step = chunk_rows(n, vocab, dtype.itemsize, kind, 4 * weight.numel() if need_w else 0)
+    step = chunk_rows(n, vocab, dtype.itemsize, kind, 4 * weight.numel(), need_w)
     if step >= n and dtype == torch.float32 and not ops and not smoothing and not _kernels(h, ops):
         return _nll(h, target, weight, bias, ignore_index, mean, (need_h, need_w, need_b))
     with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") else contextlib.nullcontext():

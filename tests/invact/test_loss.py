@@ -121,7 +121,7 @@ def _chunk_slack(h, w, b, t, ops, dtype) -> float:
     (invact.loss.op._accumulate): each chunk's 16-bit product P_c = d_c^T h_c is rounded once, which
     adds at most u/2 |P_c| elementwise, so at most u/2 sum_c ||P_c|| / ||d W|| in norm (P_c from the
     float64 reference's logit gradient d); 0 where the rows are one chunk."""
-    rows = loss_op.chunk_rows(ROWS, VOCAB, dtype.itemsize, "cpu", 4 * VOCAB * HIDDEN)
+    rows = loss_op.chunk_rows(ROWS, VOCAB, dtype.itemsize, "cpu", 4 * VOCAB * HIDDEN, True)
     if rows >= ROWS:
         return 0.0
     z = F.linear(h, w, b).requires_grad_()
@@ -155,7 +155,7 @@ def test_16bit_no_farther_from_float64_than_eager(blocks, transform, dtype, seed
 def test_one_block_without_smoothing_is_eagers_loss_bit_for_bit(bias, reduction):
     # one vocabulary block, fp32: F.cross_entropy's own forward and backward ops on the same logits
     h, w, b, t = _case(0)
-    assert loss_op.chunk_rows(ROWS, VOCAB, 4, h.device) >= ROWS
+    assert loss_op.chunk_rows(ROWS, VOCAB, 4, h.device, 4 * VOCAB * HIDDEN, True) >= ROWS
     tensors = (h, w, b if bias else None)
     want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, reduction), tensors, torch.float32)
     got = _run(
@@ -952,5 +952,5 @@ def test_rows_whose_logits_fit_the_weight_gradients_fp32_sum_are_one_chunk(monke
     t = torch.randint(0, VOCAB, (rows,))
     with _LogitsProducts(VOCAB) as counter:
         L.linear_cross_entropy(h, w, t)
-    several = -(-rows // loss_op.chunk_rows(rows, VOCAB, 4, "cpu"))
+    several = -(-rows // loss_op.chunk_rows(rows, VOCAB, 4, "cpu", 4 * VOCAB * hidden))
     assert several > 1 and counter.calls == (1 if head == "trained" else several)
