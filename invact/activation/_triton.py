@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from invact._layout import flat, is_dense
+from invact._triton_build import build
 from invact.activation.activations import SIXTEEN_BIT, Activation
 
 BLOCK = 1024  # default elements per program (see Config)
@@ -231,9 +232,6 @@ def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit:
     Needs no GPU (Triton's compiler and the ptxas it ships
     run on the CPU), but the real compiler: not under TRITON_INTERPRET=1. Its .asm holds the PTX and
     the cubin."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     function = {"forward": _forward_kernel, "backward": _backward_kernel}[kernel]
     if kernel == "forward":
         constexprs = forward_constexprs(act, precision_bit)
@@ -252,15 +250,7 @@ def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit:
     # 16-byte aligned (torch's allocations are), and n divisible by 16 when it fills whole blocks.
     # Without it the compiler may not assume aligned addresses and loads one element at a time.
     aligned = [i for i, arg in enumerate(function.arg_names) if arg.endswith("_ptr") or (arg == "n" and even)]
-    source = ASTSource(
-        function,
-        signature,
-        constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()},
-        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-    )
-    return triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": CONFIGS[kernel].num_warps}
-    )
+    return build(function, signature, constexprs, aligned, CONFIGS[kernel].num_warps, arch)
 
 
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool, config: Config | None = None

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from invact._triton_build import build
+
 NONE, MUL, DIV = 0, 1, 2
 
 
@@ -167,9 +169,6 @@ def compile_for(dtype: torch.dtype, ops: tuple, smoothing: bool, grad: bool, con
     """The rows kernel compiled for NVIDIA compute capability `arch` (no GPU needed; not under
     TRITON_INTERPRET=1) for logits of `dtype`, the transform `ops`, with label smoothing or not, with the
     gradient pass or not, at `config` (CONFIG's keys; CONFIG by default)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     pre, _, tanh, post, _ = plan(ops)
     config = config or CONFIG
     function = _rows_kernel
@@ -187,12 +186,4 @@ def compile_for(dtype: torch.dtype, ops: tuple, smoothing: bool, grad: bool, con
         else:
             signature[arg] = "fp32"
     aligned = [i for i, arg in enumerate(function.arg_names) if arg.endswith("_ptr")]
-    source = ASTSource(
-        function,
-        signature,
-        constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()},
-        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-    )
-    return triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config["num_warps"]}
-    )
+    return build(function, signature, constexprs, aligned, config["num_warps"], arch)

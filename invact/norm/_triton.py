@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from invact._triton_build import build
+
 ROWS_PER_PROGRAM = 8  # rows a program walks: its partial dweight / dbias row is written once
 
 
@@ -93,9 +95,6 @@ def compile_for(dtype: torch.dtype, residual: bool, center: bool, d: int = SASS_
     """The backward kernel compiled for NVIDIA compute capability `arch` (no GPU needed; not under
     TRITON_INTERPRET=1) for y, dy and dx of `dtype`, with residuals or not, a LayerNorm (center, a
     bias) or an RMSNorm, at width d."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     function = _backward_kernel
     constexprs = {"CENTER": center, "HAS_W": True, "HAS_B": center, "OFFSET": 0.0, "RESIDUAL": residual,
                   "ROWS": ROWS_PER_PROGRAM, "BLOCK_D": triton.next_power_of_2(d)}  # fmt: skip
@@ -110,10 +109,4 @@ def compile_for(dtype: torch.dtype, residual: bool, center: bool, d: int = SASS_
         else:
             signature[arg] = "i32"
     aligned = [i for i, arg in enumerate(function.arg_names) if arg.endswith("_ptr") or arg == "d"]
-    source = ASTSource(
-        function,
-        signature,
-        constexprs={(function.arg_names.index(k),): v for k, v in constexprs.items()},
-        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-    )
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": SASS_WARPS})
+    return build(function, signature, constexprs, aligned, SASS_WARPS, arch)
