@@ -74,7 +74,8 @@ def chunk_rows(rows: int, vocab: int, itemsize: int, device: torch.device | str,
     gradient is wanted, `summed`): a chunk's logits (`itemsize` bytes an element) take at most that many
     bytes (MIN_BYTES at least) and at most BLOCK_BYTES (CUDA's figure on other accelerators), at least
     MIN_ROWS rows and at most `rows`; and where `summed`, all the rows are one chunk where their logits
-    fit in `head` bytes (no sum needed: the same peak, and no passes over the sum).
+    fit in the bytes of the sum and a chunk together (what several chunks hold at their peak: no sum
+    needed, and no passes over it).
 
     The chunk no larger than the fp32 sum: the step's transient stays the head's size, not the tokens',
     and the sum's passes (one read and write of it a chunk) add at most one pass over the logits' bytes.
@@ -84,9 +85,9 @@ def chunk_rows(rows: int, vocab: int, itemsize: int, device: torch.device | str,
     kind = device if type(device) is str else device.type
     if kind == "meta":  # a planned step: as on the device type it is planned for
         kind = stands_for()
-    if summed and rows * vocab * itemsize <= head:
-        return max(1, rows)
     budget = min(BLOCK_BYTES.get(kind, BLOCK_BYTES["cuda"]), max(head, MIN_BYTES))
+    if summed and rows * vocab * itemsize <= head + budget:
+        return max(1, rows)
     return max(1, min(rows, max(MIN_ROWS, budget // (itemsize * max(vocab, 1)))))
 
 

@@ -943,10 +943,11 @@ class _LogitsProducts(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("head", ["trained", "frozen"])
 def test_rows_whose_logits_fit_the_weight_gradients_fp32_sum_are_one_chunk(monkeypatch, head):
     """Where the rows' logits take no more bytes than the fp32 sum of the weight gradient that several
-    chunks would need, they are one chunk (no sum, the same peak): one logits matmul for all rows. A
-    frozen head needs no such sum, and keeps BLOCK_BYTES's chunks."""
+    chunks would need and a chunk, they are one chunk (no sum, the same peak): one logits matmul for all
+    rows. A frozen head needs no such sum, and keeps BLOCK_BYTES's chunks."""
     _many_chunks(monkeypatch)
-    rows, hidden = 24, 160  # 24 x 1500 x 4 bytes of logits, 4 x 1500 x 160 of the weight's fp32 sum
+    # 30 x 1500 x 4 bytes of logits; 4 x 1500 x 160 of the weight's fp32 sum and 7 x 1500 x 4 a chunk
+    rows, hidden = 30, 160
     h = torch.randn(rows, hidden, requires_grad=True)
     w = torch.randn(VOCAB, hidden, requires_grad=head == "trained")
     t = torch.randint(0, VOCAB, (rows,))
