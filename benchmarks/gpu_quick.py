@@ -130,7 +130,7 @@ def llama_step(config: dict, batch: int, seq: int, device: str, dtype, rounds: i
     for k, base in (("patch", "eager"), ("compile_patch", "compile"), ("compile", "eager")):
         row[f"{k}_wall_ratio"] = row[f"{k}_wall_ms"] / row[f"{base}_wall_ms"]
         row[f"{k}_busy_ratio"] = row[f"{k}_busy_ms"] / row[f"{base}_busy_ms"]
-    row["steps"] = steps  # for the profile part; dropped before writing
+    row["steps"] = steps  # for the profile part; popped before writing
     return row
 
 
@@ -442,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         print(loss_report(loss))
         return _write_checked(result, "gpu_quick_loss", device, args.out)
     parts, result = set(args.parts), _header(device, args.rounds)
-    llama = None
+    step_fns = None
     if parts & {"step", "profile"}:
         print("part 1: Llama-shaped step", flush=True)
         llama = llama_step(config, *shape, device, dtype, args.rounds, calls)
+        step_fns = llama.pop("steps")  # for the profile part; not written
         result |= {"llama_shape": f"batch {shape[0]}, seq {shape[1]}, {config['num_hidden_layers']} layers",
                    "llama_config": config, "llama": llama}  # fmt: skip
     if "loss" in parts:
@@ -460,12 +461,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.small:  # --small: eager only (host_time.py's own check compiles every setup)
             pairs += host_time.setups(device, 4, compiled=True)
         result["host"] = host_time.interleaved(pairs, host_calls, max(args.rounds, 3), sync)
-    if llama is not None:
-        steps = llama.pop("steps")
+    if step_fns is not None:
         if "profile" in parts:
             print(f"  {time.perf_counter() - t0:.0f} s; part 4: profile", flush=True)
-            result["profile"] = host_time.top_host_costs(steps["compile_patch"], calls)
-        del steps
+            result["profile"] = host_time.top_host_costs(step_fns["compile_patch"], calls)
+        del step_fns
     if "steps" in parts:
         print(f"  {time.perf_counter() - t0:.0f} s; part 5: whole training steps at real shapes", flush=True)
 

@@ -434,8 +434,8 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
         what = "transformers' causal-LM loss"
     else:
         what = "its cross-entropy on the head's output"
-    return name, True, (f"{what} is computed from the hidden state and the head's weight a vocabulary "
-                        "block at a time: no (tokens x vocab) logits kept")  # fmt: skip
+    return name, True, (f"{what} is computed from the hidden state and the head's weight a chunk of rows "
+                        "at a time, with its gradients: no (tokens x vocab) logits kept")  # fmt: skip
 
 
 def take(model: nn.Module, name: str) -> None:

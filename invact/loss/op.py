@@ -209,7 +209,19 @@ def _accumulate(acc: torch.Tensor, d: torch.Tensor, h: torch.Tensor, first: bool
         torch.addmm(acc, d.t(), h, out_dtype=torch.float32, beta=0 if first else 1, out=acc)
     else:
         part = d.t().mm(h)
-        acc.copy_(part) if first else acc.add_(part)
+        if first:
+            acc.copy_(part)
+            return
+        # In SUM_PIECES slices: a 16-bit tensor added into an fp32 one is converted to fp32 inside add_ (a
+        # hidden copy of the weight's fp32 size, which put real CPU steps 8 MiB above their plan: invact
+        # plan, step_plan.py at seq 512); a slice's copy is a sixteenth of it.
+        size = -(-acc.shape[0] // SUM_PIECES)
+        for start in range(0, acc.shape[0], size):
+            acc[start : start + size].add_(part[start : start + size].float())
+
+
+# Slices of the weight gradient's fp32 sum added at a time on CPU (_accumulate).
+SUM_PIECES = 16
 
 
 # aten's reduction codes for nll_loss_forward / nll_loss_backward (torch's Reduction enum)

@@ -153,7 +153,7 @@ def test_16bit_no_farther_from_float64_than_eager(blocks, transform, dtype, seed
 @pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_one_block_without_smoothing_is_eagers_loss_bit_for_bit(bias, reduction):
-    # one vocabulary block, fp32: F.cross_entropy's own forward and backward ops on the same logits
+    # one chunk of fp32 logits: F.cross_entropy's own forward and backward ops on the same logits
     h, w, b, t = _case(0)
     assert loss_op.chunk_rows(ROWS, VOCAB, 4, h.device, 4 * VOCAB * HIDDEN, True) >= ROWS
     tensors = (h, w, b if bias else None)

@@ -139,9 +139,8 @@ def _image_step(model, per_image: int) -> dict:
 
 def _real_saved(model, inputs: dict, monkeypatch) -> dict[str, int]:
     """{eager_saved_bytes, patched_saved_bytes} of one real CPU forward of `inputs`, before and after
-    invact.patch(model). The loss's vocabulary blocks are CUDA's size, as on the meta device (the planner
-    plans for a GPU): with CPU's smaller blocks invact's loss keeps per-row statistics where one block
-    covering the vocabulary keeps a scalar, and the two forwards would differ by those bytes."""
+    invact.patch(model). The loss's chunks are CUDA's size, as on the meta device (the planner plans for a
+    GPU), so that both forwards take the same path through the loss."""
     monkeypatch.setitem(loss_op.BLOCK_BYTES, "cpu", loss_op.BLOCK_BYTES["cuda"])
     saved = {}
     for key in ("eager_saved_bytes", "patched_saved_bytes"):
