@@ -118,11 +118,37 @@ def _tensors(output) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _wrapper_count() -> int | None:
+    """What one Python storage object adds to its StorageImpl's use count, measured on a tensor of
+    our own: 1 in torch 2.11 and 2.13 (a storage's Python object is kept and holds a reference); a
+    build where it held none would read 0. None where torch cannot say."""
+    if _USE_COUNT is None:
+        return None
+    t = torch.empty(1)
+    storage = t.untyped_storage()
+    return _USE_COUNT(storage._cdata) - 1  # less t's own reference
+
+
+_WRAPPER = _wrapper_count()
+
+
 def _holders(storage) -> int | None:
-    """How many tensors hold `storage` (torch counts its own Python object too); None where torch
-    cannot say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else count(storage._cdata) - 1
+    """How many references hold `storage`'s StorageImpl besides the Python object `storage`: one per
+    tensor on it (every view, `_base` or not, is a TensorImpl of its own that shares it) and one per
+    other Python storage object; None where torch cannot say. Several references to one tensor count
+    once: see _move_into, which drops its own references to the tensors it asks about.
+
+    torch._C._storage_Use_Count is private (the StorageImpl's intrusive_ptr use count, which torch's
+    CUDA graph trees read too); it is in torch 2.11's and 2.13's CPU builds (checked); some builds
+    have registered it with CUDA only (pytorch#131881). Where it is missing, None: nothing moves
+    (u is copied out, as where something else holds the storage). What `storage` itself adds is
+    measured once (_WRAPPER), not assumed."""
+    if _USE_COUNT is None or _WRAPPER is None:
+        return None
+    return _USE_COUNT(storage._cdata) - _WRAPPER
 
 
 def _halves(g: torch.Tensor, u: torch.Tensor) -> int | None:
@@ -144,28 +170,46 @@ def _halves(g: torch.Tensor, u: torch.Tensor) -> int | None:
     return offsets[1] if offsets in ((0, cols), (cols, 0)) else None
 
 
-def _move_into(g: torch.Tensor, y: torch.Tensor, parts: list[_Saved], saved_y: list[_Saved]) -> bool:
+def _move_into(call: list, parts: list[_Saved], saved_y: list[_Saved]) -> bool:
     """With g and u (the saved parts) the two halves of each row of one storage S and nothing but
-    these references holding S or y (y = act(g)): move u to S's first half and y to its second, both
-    dense, and point the saved references there. y's own storage is then freed, and S, its pages
-    already touched, holds what the module saves: no fresh memory, where a copy of u would take as
-    many bytes of fresh pages (on CPU a page fault costs microseconds: 8k faults for a 32 MB copy).
-    False, with nothing changed, where any condition does not hold."""
+    these references holding S or y (call: [g, y], y = act(g)): move u to S's first half and y to its
+    second, both dense, and point the saved references there. y's own storage is then freed, and S,
+    its pages already touched, holds what the module saves: no fresh memory, where a copy of u would
+    take as many bytes of fresh pages (on CPU a page fault costs microseconds: 8k faults for a 32 MB
+    copy). False, with nothing changed, where the layout does not allow it; True where u was handled:
+    moved, or copied out of S where something else holds S.
+
+    Whether something else holds S is not read from view bookkeeping: a hook may hold g, u or the
+    gate_up output itself, which is g's `_base` where the projection had no bias (mm, then
+    _unsafe_view: not a view) and a view of it where it had one (addmm, then view), and holding one
+    of these tensors adds no tensor on S. Instead a tensor of our own is put on S, every reference
+    this call holds to g and u is dropped (call[0], the saved parts; their view base goes with
+    them), and S's use count must then be that tensor's alone: anything else on S, a tensor or a
+    view of it held by anyone (Python or C++), keeps it higher, and then u is copied out of our
+    tensor instead. Left over garbage that still holds S counts as a holder too: a copy, not a move."""
+    g, y = call
     u = parts[0][0]
     if any(p[0] is not u for p in parts) or any(s[0] is not y for s in saved_y):
         return False
     if y.shape != g.shape or y.dtype != g.dtype or not y.is_contiguous() or y.device != g.device:
         return False
     offset = _halves(g, u)
-    if offset is None:
+    if offset is None or _holders(y.untyped_storage()) != 1:  # y would keep its storage (a view of it)
         return False
-    storage, y_storage = g.untyped_storage(), y.untyped_storage()
-    known = {id(t) for t in (g, g._base, u, u._base) if t is not None}
-    if _holders(storage) != len(known) or _holders(y_storage) != 1:  # someone else holds S or y
-        return False
+    storage = g.untyped_storage()
     n, cols = g.numel(), g.shape[-1]
+    shape, stride, u_offset = u.shape, u.stride(), u.storage_offset()
+    dense = torch.empty(0, dtype=g.dtype, device=g.device).set_(storage, 0, (2 * n,), (1,))
+    call[0] = None  # from here on nothing of ours holds g, u or their base: dense and storage hold S
+    for p in parts:
+        p[0] = None
+    del g, u
+    if _holders(storage) != 1:  # something else holds S (or torch cannot say): copy u out
+        u_copy = dense.as_strided(shape, stride, u_offset).clone(memory_format=torch.contiguous_format)
+        for p in parts:
+            p[0] = u_copy
+        return True
     with torch.no_grad():
-        dense = torch.empty(0, dtype=g.dtype, device=g.device).set_(storage, 0, (2 * n,), (1,))
         rows = dense.view(-1, 2 * cols)[:, offset : offset + cols]  # u, row by row
         # Compacting in place: row r goes to [r, r + 1) cols, over what was row r // 2's half (read
         # already). Rows in [a, 2a) land in [a, 2a) * cols and come from [2a, 4a) * cols: one copy per
@@ -176,7 +220,7 @@ def _move_into(g: torch.Tensor, y: torch.Tensor, parts: list[_Saved], saved_y: l
             dense[start * cols : stop * cols].view(-1, cols).copy_(rows[start:stop])
             start = stop
         dense[n:].copy_(y.view(-1))
-    u_moved, y_moved = dense[:n].view(u.shape), dense[n:].view(y.shape)
+    u_moved, y_moved = dense[:n].view(shape), dense[n:].view(y.shape)
     for p in parts:
         p[0] = u_moved
     for s in saved_y:
@@ -225,17 +269,16 @@ class _Scope:
         storage (a plain MLP: act's output goes to a Linear, not to a multiply)."""
         saved, self.saved = self.saved, []  # from now on the saved-tensor slots alone hold them
         calls, self.calls = self.calls, []
+        ran = bool(calls and saved)
         # Only a view (a chunk of a fused output) or a meta tensor can share its storage with a saved
         # tensor here: an op's own output owns its storage. The cheap test first (host time).
-        shared = bool(calls and saved) and any(
-            (x._base is not None or x.is_meta) and _may_share(x, saved) for x, _ in calls
-        )
+        shared = ran and any((x._base is not None or x.is_meta) and _may_share(x, saved) for x, _ in calls)
         if shared:
-            _free_gate_halves(calls, saved, arguments, output)
+            _free_gate_halves(calls, saved, arguments, output)  # empties calls
         if self.observer is not None:
             for s in saved:
                 s[0] = self.observer(s[0])
-        return bool(calls and saved) and not shared and not self.products
+        return ran and not shared and not self.products
 
 
 def _may_share(x: torch.Tensor, saved: list[_Saved]) -> bool:
@@ -250,17 +293,21 @@ def _may_share(x: torch.Tensor, saved: list[_Saved]) -> bool:
 
 
 def _free_gate_halves(calls: list, saved: list[_Saved], arguments: tuple, output) -> None:
-    """_Scope.close's work, where some saved tensor shares the storage of an InvAct module's input."""
+    """_Scope.close's work, where some saved tensor shares the storage of an InvAct module's input.
+    Empties `calls`, taking each (x, y) out before its turn: _move_into must hold the only
+    reference this module keeps to x."""
     by_storage: dict[int, list[_Saved]] = {}
     for s in saved:
         by_storage.setdefault(storage_id(s[0]), []).append(s)
     given = [t for a in arguments for t in _tensors(a)]
     kept = {storage_id(t) for (t,) in saved if t.numel() * t.element_size() == t.untyped_storage().nbytes()}
     kept |= {storage_id(t) for t in (*given, *_tensors(output))}
-    for x, y in calls:
-        ptr = storage_id(x)
+    calls.reverse()
+    while calls:
+        call = [*calls.pop()]  # [x, y], in the order the calls ran
+        ptr = storage_id(call[0])
         parts = [] if ptr in kept else by_storage.pop(ptr, [])
-        if parts and not _move_into(x, y, parts, by_storage.get(storage_id(y), [])):
+        if parts and not _move_into(call, parts, by_storage.get(storage_id(call[1]), [])):
             for part in parts:
                 part[0] = part[0].detach().clone(memory_format=torch.contiguous_format)
 

@@ -473,11 +473,14 @@ def test_a_fused_gate_up_gains_only_with_the_gated_path(label):
 
 class _Fused(nn.Module):
     """down(act(g) * u) with g and u the two halves of one gate_up output (u first where `u_first`);
-    where `whole_saved`, an op also saves that output whole."""
+    where `whole_saved`, an op also saves that output whole. Without `bias` (Phi-3's gate_up_proj),
+    the projection of a 3-d input is mm then _unsafe_view: its output is no view, and it is g's and
+    u's `_base`; with a bias it is addmm then view, a view of the 2-d product."""
 
-    def __init__(self, u_first: bool = False, whole_saved: bool = False):
+    def __init__(self, u_first: bool = False, whole_saved: bool = False, bias: bool = True):
         super().__init__()
-        self.gate_up, self.down = nn.Linear(HIDDEN, 2 * INTERMEDIATE), nn.Linear(INTERMEDIATE, HIDDEN)
+        self.gate_up = nn.Linear(HIDDEN, 2 * INTERMEDIATE, bias=bias)
+        self.down = nn.Linear(INTERMEDIATE, HIDDEN)
         self.act, self.u_first, self.whole_saved = nn.SiLU(), u_first, whole_saved
 
     def forward(self, x):
@@ -579,6 +582,49 @@ def test_a_tensor_held_outside_the_module_keeps_its_values(module, keep, moves):
         o.square().sum().backward()
     pairs = zip(plain.parameters(), gated.parameters(), strict=True)
     assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+
+
+@pytest.mark.parametrize(
+    ("module", "keep"),
+    [
+        ("gate_up", None),
+        ("gate_up", lambda out: out),
+        ("gate_up", lambda out: out[..., :INTERMEDIATE]),
+        ("gate_up", lambda out: out.view(-1, 2 * INTERMEDIATE)),
+        ("act", lambda g: g),
+    ],
+    ids=["nothing held", "gate_up output", "a half of it", "a view of it", "act's input g"],
+)
+@pytest.mark.parametrize("u_first", [False, True], ids=["g first", "u first"])
+@pytest.mark.parametrize("bias", [True, False], ids=["addmm", "mm"])
+def test_a_hook_holding_the_gate_up_output_keeps_its_values_with_or_without_bias(bias, u_first, module, keep):
+    # A forward hook keeps the gate_up output, a view of it or act's input g (a view of it): y and u
+    # must not move into its storage, whatever view bookkeeping says (without a bias the output
+    # itself is g's and u's _base, and holding it adds no tensor on the storage). Held by no one,
+    # they move, and g's half is freed: the product's bytes and g's.
+    plain, gated = _fused_pair(u_first=u_first, bias=bias)
+    kept = []
+
+    def hold(m, args, out):
+        t = keep(args[0] if module == "act" else out)
+        kept.append((t, t.clone()))
+
+    if keep is not None:
+        getattr(gated, module).register_forward_hook(hold)
+    x = torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)
+    out_plain, _, want = _saved_operands(plain, x)
+    out, ptr, got = _saved_operands(gated, x)
+    for o in (out_plain, out):
+        o.square().sum().backward()
+    assert len(kept) == (keep is not None)
+    assert all(torch.equal(held, reference) for held, reference in kept)
+    assert [t.untyped_storage().data_ptr() == ptr for t in got] == [keep is None] * 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    pairs = zip(plain.parameters(), gated.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+    if keep is None:
+        inputs = {"x": torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)}
+        assert _held_bytes(plain, inputs) - _held_bytes(gated, inputs) == 2 * BATCH * SEQ * INTERMEDIATE * 4
 
 
 @pytest.mark.parametrize("moves", [True, False], ids=["moved", "u copied"])
