@@ -67,6 +67,53 @@ ATEN = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow.Tensor_
 COMPOSITE = {"cuda": frozenset({"cross_entropy"}), "cpu": frozenset()}
 
 
+_ACTIVE: list[Autocast] = []  # the Autocasts entered, innermost last: what a meta region toggles
+
+
+class _MetaRegion:
+    """`torch.autocast("meta", enabled=...)` while meta_regions() is on: the innermost active Autocast
+    (none: nothing to do) enabled or not for the region's body, as autocast on the device would be."""
+
+    def __init__(self, dtype=None, enabled: bool = True, cache_enabled=None) -> None:  # torch.autocast's
+        self.dtype, self.enabled = dtype, enabled
+        self.before: tuple | None = None
+
+    def __enter__(self):
+        if _ACTIVE:
+            active = _ACTIVE[-1]
+            self.before = (active, active.enabled, active.dtype)
+            active.enabled = self.enabled
+            active.dtype = self.dtype or active.dtype
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.before is not None:
+            active, active.enabled, active.dtype = self.before
+
+
+@contextlib.contextmanager
+def meta_regions():
+    """Inside it, `torch.autocast(device_type="meta", ...)` (and torch.amp.autocast's) is a _MetaRegion:
+    torch refuses "meta" as an autocast device type (RuntimeError: unsupported scalarType), and
+    transformers 4.x's rotary embeddings open `torch.autocast(device_type=x.device.type,
+    enabled=False)` to compute in float32, x on the meta device where invact plans. Other device
+    types get torch's own autocast."""
+    real = torch.autocast
+
+    def autocast(device_type, *args, **kwargs):
+        return _MetaRegion(*args, **kwargs) if device_type == "meta" else real(device_type, *args, **kwargs)
+
+    owners = (torch, torch.amp)
+    originals = [owner.autocast for owner in owners]
+    for owner in owners:
+        owner.autocast = autocast
+    try:
+        yield
+    finally:
+        for owner, original in zip(owners, originals, strict=True):
+            owner.autocast = original
+
+
 class Autocast(TorchFunctionMode):
     """torch.autocast(device, dtype) on meta tensors while `enabled` (see the module docstring)."""
 
@@ -150,6 +197,8 @@ class Autocast(TorchFunctionMode):
             del norm_op._AUTOCAST_LAYER_NORM[key]
         stack.callback(self._forget_layer_norm, norm_op)
         self._patched = stack
+        _ACTIVE.append(self)
+        stack.callback(_ACTIVE.remove, self)
         return super().__enter__()
 
     @staticmethod

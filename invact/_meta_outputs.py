@@ -12,8 +12,9 @@ arguments are plain values (numbers, dtypes, devices, None, strings, and lists a
 and whose op returns fresh tensors that alias nothing (no alias annotation in the op's schema, no
 mutated argument, no output in an input's storage: aten._unsafe_view's schema has no annotation) each
 in a storage of its own, just large enough for its shape and strides. An
-in-place op that changes no metadata (torch.Tag.inplace without torch.Tag.inplace_view: mul_, AdamW's
-_foreach_addcdiv_) returns its first argument, or nothing, once its signature has run once. Any other
+in-place op that changes no metadata (`inplace`: named with a trailing underscore, it writes its first
+argument, a tensor or tensor list, and is not torch.Tag.inplace_view: mul_, AdamW's _foreach_addcdiv_)
+returns its first argument, or nothing, once its signature has run once. Any other
 call, and any call that raised, runs the op itself every time.
 """
 
@@ -24,6 +25,22 @@ import torch
 from invact.planner import _output_tensors
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def inplace(func) -> bool:
+    """Whether the op `func` (an OpOverload) is an in-place op by its schema: aten names them with a
+    trailing underscore, and their first argument, a Tensor or Tensor[], is written (`Tensor(a!)`).
+    torch.Tag.inplace says the same from torch 2.13 on (absent before); the schema is read on every
+    torch, and tests/invact/test_meta_outputs.py checks it against the tag where the tag exists."""
+    schema = func._schema
+    first = schema.arguments[0] if schema.arguments else None
+    return bool(
+        schema.name.endswith("_")
+        and first is not None
+        and str(first.type) in ("Tensor", "List[Tensor]")
+        and first.alias_info is not None
+        and first.alias_info.is_write
+    )
 
 
 class _NoKey(Exception):
@@ -87,7 +104,7 @@ class MetaOutputs:
         kind = self.kinds.get(func, False)
         if kind is False:
             schema, tags = func._schema, func.tags
-            if torch.Tag.inplace in tags and torch.Tag.inplace_view not in tags and len(schema.returns) <= 1:
+            if inplace(func) and torch.Tag.inplace_view not in tags and len(schema.returns) <= 1:
                 kind = "inplace"
             elif schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
                 kind = None  # out= variants, views, metadata changes: always run

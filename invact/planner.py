@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 import invact
 from invact import kinds
+from invact._autocast import meta_regions
 from invact.activation import REPLACEABLE, SKIPPED, _is_activation_like
 from invact.activation.modules import InvAct
 from invact.loss import output_head
@@ -240,7 +241,7 @@ def _values_as_on_device() -> Iterator[set[str]]:
     if original is not None:
         masking.find_packed_sequence_indices = find_packed_sequence_indices
     try:
-        with _AsOnDevice(kernels):
+        with _AsOnDevice(kernels), meta_regions():
             yield kernels
     finally:
         if original is not None:

@@ -308,6 +308,8 @@ def _measured(
     parent_of = {key: kinds.parent(model, key)[0] for key in key_of.values()}
     inside: dict[int, int] = {}  # id(parent module) -> its calls in progress
     output_of: dict[int, str] = {}  # id(autograd node of an activation call's output) -> its key
+    nodes: list = []  # those nodes, kept alive: before torch 2.13 `t.grad_fn` makes a new Python object
+    # for a node no Python object holds, so an id kept without its node may name another node later
     products: dict[int, tuple[str, bool]] = {}  # storage -> (key, every save inside key's parent)
     outside: dict[int, int] = {}  # storage -> its saves outside activation calls
     parts: dict[int, list[tuple[int, set[int]]]] = {}  # storage -> (bytes, parents in progress) per
@@ -327,7 +329,7 @@ def _measured(
                     parts.setdefault(ptr, []).append((t.numel() * t.element_size(), scopes))
             found = multiply(t) if gated else None
             keys = [output_of[id(n)] for n in found[1] if id(n) in output_of] if found else []
-            if keys:  # (the call outputs are held in `calls`, so their nodes' ids stay theirs)
+            if keys:  # (the nodes are held in `nodes`, so their ids stay theirs)
                 scoped = inside.get(id(parent_of[keys[0]]), 0) > 0
                 products[ptr] = (keys[0], scoped and products.get(ptr, (None, True))[1])
         return t
@@ -343,7 +345,8 @@ def _measured(
         call.output = output
         call.version = output._version if isinstance(output, torch.Tensor) else 0
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:
-            output_of[id(output.grad_fn)] = call.key
+            nodes.append(output.grad_fn)
+            output_of[id(nodes[-1])] = call.key
 
     def count(module, delta: int) -> None:
         inside[id(module)] = inside.get(id(module), 0) + delta

@@ -205,8 +205,12 @@ def _accumulate(acc: torch.Tensor, d: torch.Tensor, h: torch.Tensor, first: bool
     above eager's distance from float64 at 8 to 32 chunks (tests/invact/test_loss.py bounds it)."""
     if d.dtype == torch.float32:
         torch.mm(d.t(), h, out=acc) if first else acc.addmm_(d.t(), h)
-    elif acc.is_cuda or acc.is_meta and stands_for() != "cpu":
+    elif acc.is_cuda:
         torch.addmm(acc, d.t(), h, out_dtype=torch.float32, beta=0 if first else 1, out=acc)
+    elif acc.is_meta and stands_for() != "cpu":
+        # CUDA's bytes (no tensor beside acc); values do not exist on meta. addmm's out_dtype meta
+        # decomposition fails before torch 2.13 (TypeError: a dtype times a Tensor); mm's does not.
+        torch.mm(d.t(), h, out_dtype=torch.float32, out=acc)
     else:
         part = d.t().mm(h)
         if first:

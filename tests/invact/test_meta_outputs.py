@@ -123,3 +123,30 @@ def test_a_planned_step_is_the_same_with_and_without_remembered_outputs(config, 
                 )
     assert remembered._outputs.hits > remembered._outputs.calls // 4
     assert all(a == b for a, b in peaks), [(a, b) for a, b in peaks if a != b][:1]
+
+
+def _aten_overloads() -> list:
+    found = []
+    for name in dir(aten):
+        packet = getattr(aten, name)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            found += [getattr(packet, overload) for overload in packet.overloads()]
+    return found
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "inplace"), reason="torch.Tag.inplace: torch 2.13 and later")
+def test_inplace_by_schema_agrees_with_torchs_tag():
+    """invact._meta_outputs.inplace reads the schema (torch.Tag.inplace is absent before torch 2.13):
+    every op torch tags in-place is in-place by the schema, and each op only the schema calls in-place
+    writes its first argument and returns it or nothing (aten::copy_.int, index_put_.hacked_twin:
+    untagged overloads of in-place ops), which is all MetaOutputs relies on."""
+    from invact._meta_outputs import inplace
+
+    overloads = _aten_overloads()
+    assert len(overloads) > 1000  # aten's whole registry was read, not a part of it
+    tagged = {f for f in overloads if torch.Tag.inplace in f.tags}
+    assert tagged and {f for f in tagged if not inplace(f)} == set()
+    for f in (f for f in overloads if inplace(f) and f not in tagged):
+        written = f._schema.arguments[0].alias_info.before_set
+        returns = f._schema.returns
+        assert not returns or (len(returns) == 1 and returns[0].alias_info.before_set == written), f
