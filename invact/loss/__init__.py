@@ -24,12 +24,16 @@ training-mode forward with labels and gradients enabled:
 
 Such a call returns its logits on demand: eager's output holds a PendingLogits (the logits' shape and
 dtype, the head's input and weight, which the loss keeps anyway), which computes the logits where they
-are used (`.argmax`, any tensor op) as the model would have; under torch.compile `logits` is None (a
-compiled graph returns tensors). Eval mode and calls without labels are unchanged.
+are read (`.argmax`, any tensor op, torch function or Python operator, torch.save) as the model would
+have, bit for bit; read after the head's weight changed in place (optimizer.step()) it raises, since the
+logits it would compute are no longer the call's. Under torch.compile `logits` is None (a compiled
+graph returns tensors). Eval mode and calls without labels are unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 from collections import OrderedDict
@@ -37,11 +41,12 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from invact import kinds
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.loss.op import _as_rows, _loss, linear_cross_entropy
+from invact.loss.op import _as_rows, _device_type, _loss, linear_cross_entropy
 from invact.loss.source import (
     _host,
     _labels_at,
@@ -62,20 +67,89 @@ log = logging.getLogger("invact")
 
 # PendingLogits' own fields, and tensor attributes that code walking an output probes for (a sparse
 # tensor's values, indices): never forwarded to the computed logits
-_NOT_FORWARDED = frozenset({"hidden", "weight", "bias", "ops", "values", "indices", "crow_indices",
+_NOT_FORWARDED = frozenset({"hidden", "weight", "bias", "added", "ops", "values", "indices", "crow_indices",
                             "col_indices", "row_indices", "ccol_indices"})  # fmt: skip
+
+# Tensor methods that hook the graph the logits are on, which the loss does not go through: on logits
+# computed on demand they would never see its gradient
+_OFF_GRAPH = frozenset({"retain_grad", "register_hook", "register_post_accumulate_grad_hook"})
+
+# What _version_counters' entries are, in the words of PendingLogits' errors
+_SOURCES = ("head's weight", "head's bias", "bias added to the head's output", "head's input")
+
+_FIX = "patch(model, loss=False) to get real logits"
+
+
+def _version_counters(weight, bias, added, hidden) -> tuple:
+    """The version counters of what the logits are computed from (None for an absent bias): every
+    in-place op on a tensor or a view of it bumps its counter, an optimizer's step included."""
+    return (weight._version, None if bias is None else bias._version,
+            None if added is None else added._version, hidden._version)  # fmt: skip
+
+
+def _call(hidden, weight, bias) -> tuple:
+    """What a PendingLogits checks and replays when read: the version counters of the head's input,
+    weight and bias (_version_counters), and the autocast the head ran under: (device type, its dtype,
+    None where autocast was off)."""
+    kind = _device_type(hidden)
+    try:
+        cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    except RuntimeError:  # a device type autocast does not know (meta, outside invact._autocast)
+        cast = None
+    return _version_counters(weight, bias, None, hidden), (kind, cast)
+
+
+def _autocast_as(kind: str, cast):
+    """The autocast state `cast` (a dtype, None: off) on device type `kind`, whatever it is now."""
+    try:
+        return torch.autocast(kind, dtype=cast) if cast is not None else torch.autocast(kind, enabled=False)
+    except RuntimeError:  # a device type torch.autocast does not take (meta): as it is
+        return contextlib.nullcontext()
+
+
+def _refuse(what: str, *args, **kwargs):
+    """Raise for a use of PendingLogits that would act on a computed copy of the logits (an in-place
+    op: the output's logits would stay as they were) or on a graph the loss does not go through."""
+    if what in _OFF_GRAPH:
+        raise RuntimeError(f"invact: outputs.logits is computed on demand, off the loss's graph, so "
+                           f".{what}() would never see the loss's gradient: {_FIX}")  # fmt: skip
+    how = "item assignment" if what == "__setitem__" else f".{what}()"
+    raise RuntimeError(f"invact: outputs.logits is computed on demand, so {how} would change a copy, not "
+                       f"the output's logits: use an out-of-place op on it, or {_FIX}")  # fmt: skip
 
 
 class PendingLogits:
     """The logits a patched head would return, not computed: the head's input, weight and bias, the
     transform the model applies to them, and the shape and dtype the logits would have. F.cross_entropy
-    on it computes the loss with linear_cross_entropy; the model's scalings, tanh, `.float()` and
-    views are recorded; anything else computes the logits (`logits()`) and goes on with them."""
+    on it computes the loss with linear_cross_entropy; the model's scalings, tanh, a bias added over the
+    vocabulary (BART's), `.float()` and views are recorded; anything else reads the logits: it computes
+    them (`logits()`, again at each read: nothing is kept) and goes on with them as eager's tensor
+    would. Reads are tensor methods and attributes, torch functions (lists of tensors included:
+    torch.cat, torch.stack), every Python operator a tensor has, len() and iteration, torch.save and
+    pickle (they write the computed tensor, which torch.load reads with weights_only), torch.tensor and
+    torch.as_tensor (through `__dlpack__`: a tensor off the autograd graph, torch.tensor's copy as
+    eager's; as_tensor's does not require grad where eager's does).
 
-    def __init__(self, hidden, weight, bias, ops=(), dtype=None, shape=None):
-        self.hidden, self.weight, self.bias, self.ops = hidden, weight, bias, ops
-        self.dtype = dtype or torch.promote_types(hidden.dtype, weight.dtype)
-        self.shape = torch.Size(shape or (*hidden.shape[:-1], weight.shape[0]))
+    The logits are computed under the call's autocast (not the read's) from the head's input, weight and
+    bias as they are when read, so a read after one of them changed in place (optimizer.step()) raises
+    instead of returning other logits than the call's (their version counters, recorded when the call's
+    loss read them). So does what would
+    act on a computed copy or on a graph the loss does not go through: in-place methods (`.add_()`),
+    item assignment, `.retain_grad()`, `.register_hook()`."""
+
+    # numpy defers its binary operators with an array to ours, as with a tensor (torch.Tensor's value)
+    __array_priority__ = 1000
+
+    def __init__(self, hidden, weight, bias, ops=(), call=None):
+        self.hidden, self.weight, self.bias, self.ops, self.added = hidden, weight, bias, ops, None
+        # the version counters and autocast when the call's loss read the head (HeadLoss's `call`),
+        # else now: at the head's call, before the model's loss
+        self._versions, self._autocast = call if call is not None else _call(hidden, weight, bias)
+        # the dtype F.linear computes the logits in: autocast's where it was on (bf16 logits of fp32
+        # weights, as eager's head), else the inputs' promoted dtype
+        self._head_dtype = self._autocast[1] or torch.promote_types(hidden.dtype, weight.dtype)
+        self.dtype = self._head_dtype
+        self.shape = torch.Size((*hidden.shape[:-1], weight.shape[0]))
 
     device = property(lambda self: self.hidden.device)
     ndim = property(lambda self: len(self.shape))
@@ -88,44 +162,75 @@ class PendingLogits:
         return len(self.shape)
 
     def _with(self, **changes):
-        state = {"ops": self.ops, "dtype": self.dtype, "shape": self.shape} | changes
-        return PendingLogits(self.hidden, self.weight, self.bias, **state)
+        """A copy with `changes` to its fields (a recorded step): the same call, as it was."""
+        pending = object.__new__(PendingLogits)
+        vars(pending).update(vars(self), **changes)
+        return pending
+
+    def _changed(self) -> str | None:
+        """What the logits are computed from that changed in place since the call's loss read it (in
+        _SOURCES' words), or None."""
+        now = _version_counters(self.weight, self.bias, self.added, self.hidden)
+        if now == self._versions:
+            return None
+        return next(what for what, a, b in zip(_SOURCES, now, self._versions, strict=True) if a != b)
+
+    def _records(self) -> bool:
+        """Whether an elementwise step is recorded: before a cast only (`.float()` of 16-bit logits).
+        logits() applies the steps in the head's dtype and casts last, as the models do; after a cast
+        eager computes a step in the new dtype (other roundings), so the logits are computed for it."""
+        return self.dtype == self._head_dtype
 
     def logits(self) -> torch.Tensor:
-        """The logits as the model would have computed them (on the autograd graph)."""
+        """The logits as the model would have computed them (on the autograd graph): the same ops on the
+        same tensors in the same order, so bit for bit eager's."""
+        changed = self._changed()
+        if changed is not None:
+            raise RuntimeError(f"invact: outputs.logits was read after the {changed} changed in place "
+                               "(optimizer.step()?): it is computed from the head when read, so read it "
+                               f"before the step, or use {_FIX}")  # fmt: skip
         log.info("invact: a patched head's logits were used by something other than the loss: computed")
-        z = F.linear(self.hidden, self.weight, self.bias)
-        for op in self.ops:
-            z = z * op[1] if op[0] == "mul" else z / op[1] if op[0] == "div" else torch.tanh(z)
-        return z.to(self.dtype).reshape(self.shape)
+        # under the call's autocast, not the read's: eager's head and steps ran under it (bf16 logits of
+        # fp32 weights where it was on; fp32 where it was off, even when read in an autocast region)
+        with _autocast_as(*self._autocast):
+            z = F.linear(self.hidden, self.weight, self.bias)
+            # BART's `+ final_logits_bias` after the head's own bias, as eager adds it: folded into the
+            # head's bias (the loss's way) the sums would round differently
+            if self.added is not None:
+                z = z + self.added
+            for op in self.ops:
+                z = z * op[1] if op[0] == "mul" else z / op[1] if op[0] == "div" else torch.tanh(z)
+            return z.to(self.dtype).reshape(self.shape)
 
     # What the models do between the head and the loss.
     def __truediv__(self, other):
-        if isinstance(other, (int, float)) and not isinstance(other, bool) and other != 0:
+        if isinstance(other, (int, float)) and not isinstance(other, bool) and other != 0 and self._records():
             return self._with(ops=(*self.ops, ("div", float(other))))
         return self.logits() / other
 
     def __mul__(self, other):
-        if isinstance(other, (int, float)) and not isinstance(other, bool):
+        if isinstance(other, (int, float)) and not isinstance(other, bool) and self._records():
             return self._with(ops=(*self.ops, ("mul", float(other))))
         return self.logits() * other
 
     __rmul__ = __mul__
 
     def __add__(self, other):
-        # a bias over the vocabulary added to the head's output (BART's final_logits_bias): the head's
-        # bias, where no scaling came before it
+        # a bias over the vocabulary added to the head's output (BART's final_logits_bias), where no
+        # scaling or cast came before it and it broadcasts to the logits' shape: logits() adds it as
+        # eager does, the loss folds it into the head's bias
         if (
             isinstance(other, torch.Tensor)
             and not self.ops
-            and other.dim() >= 1
+            and self.added is None
+            and 1 <= other.dim() <= len(self.shape)
             and other.shape[-1] == self.shape[-1]
             and other.numel() == self.shape[-1]
+            and self._records()
         ):
-            bias = other.reshape(-1).to(self.hidden.dtype)
-            bias = bias if self.bias is None else self.bias + bias
             dtype = torch.promote_types(self.dtype, other.dtype)
-            return PendingLogits(self.hidden, self.weight, bias, self.ops, dtype, self.shape)
+            versions = (*self._versions[:2], other._version, self._versions[3])
+            return self._with(added=other, dtype=dtype, _versions=versions)
         return self.logits() + other
 
     __radd__ = __add__
@@ -152,7 +257,7 @@ class PendingLogits:
                 shape[shape.index(-1)] = rows // max(known, 1)
             shape[-1] = self.shape[-1]
             if math.prod(shape) == math.prod(self.shape):
-                return self._with(shape=tuple(shape))
+                return self._with(shape=torch.Size(shape))
         return self.logits().view(*shape)
 
     reshape = view
@@ -162,10 +267,34 @@ class PendingLogits:
         # (`hasattr(v, "keys")`, `hasattr(v, "values")`): those do not compute the logits.
         if name.startswith("__") or name in _NOT_FORWARDED or not hasattr(torch.Tensor, name):
             raise AttributeError(name)
+        if (name.endswith("_") and name != "requires_grad_") or name in _OFF_GRAPH:
+            return functools.partial(_refuse, name)  # raises when called: hasattr finds it, as on a tensor
         return getattr(self.logits(), name)
 
     def __getitem__(self, index):
         return self.logits()[index]
+
+    def __setitem__(self, index, value):
+        _refuse("__setitem__")
+
+    def __len__(self):  # the shape's, without computing the logits
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __dlpack__(self, *args, **kwargs):
+        # torch.tensor and torch.as_tensor read a non-tensor through it (not __torch_function__ nor
+        # __array__); DLPack exports no autograd graph, so the computed logits are detached
+        return self.logits().detach().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.hidden.__dlpack_device__()
+
+    def __reduce_ex__(self, protocol):  # pickle, torch.save: the computed tensor's reduction
+        return self.logits().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return self.logits().__deepcopy__(memo)
 
     def __repr__(self) -> str:
         return f"PendingLogits(shape={tuple(self.shape)}, dtype={self.dtype}, ops={self.ops})"
@@ -173,14 +302,45 @@ class PendingLogits:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.tanh and len(args) == 1 and not kwargs and isinstance(args[0], cls):
-            return args[0]._with(ops=(*args[0].ops, ("tanh",)))
-        if func is F.cross_entropy and isinstance(args[0], cls):
+        pending = args[0] if args and isinstance(args[0], cls) else None
+        if (
+            func is torch.tanh
+            and pending is not None
+            and len(args) == 1
+            and not kwargs
+            and pending._records()
+        ):
+            return pending._with(ops=(*pending.ops, ("tanh",)))
+        if func is F.cross_entropy and pending is not None:
             loss = _cross_entropy(*args, **kwargs)
             if loss is not None:
                 return loss
-        real = lambda v: v.logits() if isinstance(v, cls) else v  # noqa: E731
-        return func(*[real(a) for a in args], **{k: real(v) for k, v in kwargs.items()})
+        # every PendingLogits among the arguments computed, inside lists and tuples too (torch.cat's and
+        # torch.stack's): one left in a list sent func's dispatch back here without end
+        args, kwargs = tree_map_only(cls, lambda v: v.logits(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _read(name: str):
+    """PendingLogits' `name` (a Python operator or protocol of torch.Tensor): the computed logits'."""
+
+    def read(self, *args, **kwargs):
+        return getattr(self.logits(), name)(*args, **kwargs)
+
+    read.__name__ = read.__qualname__ = name
+    return read
+
+
+# Python's operators and protocols on the logits that PendingLogits does not record: eager's, on the
+# computed logits. Set after the class: an __eq__ in its body would make it unhashable (__hash__ None),
+# and code that walks an output keys its values by identity, as a tensor's hash is.
+for _name in ("__sub__", "__rsub__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
+              "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__and__", "__rand__", "__or__", "__ror__",
+              "__xor__", "__rxor__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__eq__",
+              "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__neg__", "__pos__", "__abs__", "__invert__",
+              "__bool__", "__float__", "__int__", "__complex__", "__iter__", "__reversed__", "__contains__",
+              "__array__"):  # fmt: skip
+    setattr(PendingLogits, _name, _read(_name))
 
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,  # noqa: A002
@@ -200,8 +360,16 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
         or target.shape != input.shape[:1]
     ):
         return None
+    changed = input._changed()
+    if changed is not None:  # eager's loss would be of the logits the head returned, before the change
+        raise RuntimeError(f"invact: the {changed} changed in place between the head and the loss, which "
+                           f"is computed from it: {_FIX}")  # fmt: skip
     hidden = input.hidden.reshape(-1, input.hidden.shape[-1])
-    return linear_cross_entropy(hidden, input.weight, target, input.bias, ops=input.ops,
+    bias = input.bias
+    if input.added is not None:  # BART's final_logits_bias, folded into the head's
+        added = input.added.reshape(-1).to(hidden.dtype)
+        bias = added if bias is None else bias + added
+    return linear_cross_entropy(hidden, input.weight, target, bias, ops=input.ops,
                                 ignore_index=ignore_index, reduction=reduction,
                                 label_smoothing=label_smoothing)  # fmt: skip
 
@@ -274,9 +442,10 @@ class HeadLoss:
                             "number; patch it again, or with loss=False")  # fmt: skip
         if not (shift_labels.is_cpu and hidden.is_cpu):
             shift_labels = shift_labels.to(hidden.device)
-        if not compiling:  # what _disarm returns as the logits, on demand (PendingLogits)
-            _keep(head, "_invact_output", (hidden, ops), compiling)
         parameters = head._parameters  # nn.Module's __getattr__ finds them there, a Python call each
+        if not compiling:  # what _disarm returns as the logits, on demand (PendingLogits), read from these
+            call = _call(hidden, parameters["weight"], parameters.get("bias"))
+            _keep(head, "_invact_output", (hidden, ops, call), compiling)
         hidden, target = _as_rows(hidden, shift_labels)
         loss = _loss(hidden, parameters["weight"], parameters.get("bias"), target, ops, ignore_index, 0.0,
                      num_items_in_batch is None, compiling)  # fmt: skip
@@ -358,7 +527,7 @@ def _disarm(model, args, kwargs, output):
     # eager: the logits on demand (HeadLoss kept the head's input and the transform); under compile
     # None (a compiled graph returns tensors)
     kept = _take(head, "_invact_output", compiling)
-    logits = None if kept is None else PendingLogits(kept[0], head.weight, head.bias, kept[1])
+    logits = None if kept is None else PendingLogits(kept[0], head.weight, head.bias, kept[1], kept[2])
     if isinstance(output, tuple):
         return tuple(logits if v is standin else v for v in output)
     if getattr(output, "logits", None) is standin:
