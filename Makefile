@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: fit test lint clean gpu gpu-quick
+.PHONY: fit test lint clean gpu gpu-quick compat
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ test: $(BIN)/.installed  ## lint, then the whole test suite (everything that run
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
+
+# The core tests (patch, plan, loss, norm, MLP, compile, CLI) at the ends of the supported torch and
+# transformers range (invact/_versions.py), each in a venv of its own under .compat/ (kept: installing
+# torch takes minutes; the first run downloads three torch builds, about 10 GB). Writes
+# benchmarks/results/compat_cpu.json and .md. `make compat ONLY=newest` runs one environment.
+compat: $(BIN)/.installed  ## the core tests at the supported range's ends (throwaway venvs in .compat/)
+	$(BIN)/python tests/compat.py $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf $(VENV)

@@ -53,6 +53,12 @@ FP32 = {
     "cpu": _LOSSES | {"cross_entropy", "prod"},
 }
 # fmt: on
+# Rules a torch in the supported range may lack, kept where this torch registers them: torch 2.11 has no
+# AutocastCUDA kernel for rms_norm, whose composite's own ops are then cast one by one inside the op,
+# below what this mode sees (the planner's rms_norm under a CUDA autocast is then 16-bit throughout).
+for _device, _name, _key in (("cuda", "rms_norm", "AutocastCUDA"),):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", _key):
+        FP32[_device] = FP32[_device] - {_name}
 FP32_DTYPE = {
     "cuda": frozenset({"softmax", "log_softmax", "sum", "cumsum", "prod", "vector_norm"}),
     "cpu": frozenset(),

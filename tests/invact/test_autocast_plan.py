@@ -69,3 +69,32 @@ def test_a_weight_is_cast_once_per_region_and_kept_to_its_end():
             assert torch.is_autocast_enabled("meta") and torch.get_autocast_dtype("meta") == torch.bfloat16
         assert not autocast.cache and not torch.is_autocast_enabled("meta")
         assert F.linear(x, w).dtype == torch.float32  # outside a region: no cast
+
+
+class _Rotary(torch.nn.Module):
+    """transformers 4.x's rotary embeddings: a float32 region opened on the input's device type."""
+
+    def forward(self, x, w):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            inside = F.linear(x.float(), w.float())
+        return inside, F.linear(x, w)
+
+
+@pytest.mark.parametrize("active", [True, False], ids=["under the planner's autocast", "no autocast"])
+def test_an_autocast_region_on_meta_tensors(active):
+    # torch refuses device_type "meta" (RuntimeError); under meta_regions the region turns the planner's
+    # Autocast off for its body (float32 there, bf16 after it) and is a no-op without one.
+    from invact._autocast import meta_regions
+
+    x, w = torch.empty(4, 8, device="meta"), torch.empty(16, 8, device="meta", requires_grad=True)
+    with pytest.raises(RuntimeError):
+        _Rotary()(x, w)
+    with meta_regions():
+        if active:
+            with Autocast("cuda") as autocast, autocast.region():
+                inside, after = _Rotary()(x, w)
+        else:
+            inside, after = _Rotary()(x, w)
+    assert inside.dtype == torch.float32
+    assert after.dtype == (torch.bfloat16 if active else torch.float32)
+    assert torch.autocast is torch.amp.autocast_mode.autocast  # torch's own again
