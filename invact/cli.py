@@ -1,8 +1,13 @@
 """The `invact` command (also `python -m invact`). `invact plan CONFIG.json --batch B --seq S`: what one
 training forward of a Hugging Face model saves for backward, eager and after invact.patch(), from its
 config alone, on the meta device (invact.planner); with --fits SIZE, --step or --explain the peak of a
-whole training step and the longest sequence that fits (invact.step_peak). Bad input is one line on
-stderr, exit status 2."""
+whole training step and the longest sequence (or largest batch) that fits (invact.step_peak). Bad input
+is one line on stderr, exit status 2.
+
+The command parses its arguments and checks its config file (it exists, reads as a JSON object, names a
+model_type) before torch, transformers and invact's runtime load (seconds; invact/__init__.py defers
+the runtime in the command's process), so bad input answers at once; this module imports the standard
+library alone at its top."""
 
 from __future__ import annotations
 
@@ -11,12 +16,46 @@ import json
 import re
 import sys
 import textwrap
-
-from invact.planner import DEFAULT_IMAGE_SIDE, DTYPES, KINDS, PlanError
-from invact.step_peak import DEFAULT_RANK, DEFAULT_RECIPES, DEVICES, RECIPES, SEQ_MULTIPLE, TERMS
+from pathlib import Path
 
 ERROR_STATUS = 2  # bad input, as argparse's own usage errors
-_SIDE = DEFAULT_IMAGE_SIDE  # the default side of the images of a tower that takes any size
+PROG = "invact plan"
+
+# What the parser and the checks before the run need of invact.planner's and invact.step_peak's names,
+# copied here: those modules import torch. tests/invact/test_cli_errors.py checks each copy against its
+# source.
+_DTYPES = ("float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")  # planner.DTYPES
+_SIDE = 448  # planner.DEFAULT_IMAGE_SIDE: the default side of the images of a tower that takes any size
+_SEQ_MULTIPLE = 128  # step_peak.SEQ_MULTIPLE: --fits searches sequences in multiples of it
+_RECIPES = {  # step_peak.RECIPES: name -> label
+    "bf16": "full fine-tuning in bf16 (weights, gradients, AdamW state)",
+    "mixed": "mixed precision: fp32 weights, autocast to bf16, AdamW in fp32",
+    "lora": "LoRA: frozen bf16 base, bf16 adapters on every Linear but the head",
+}
+_DEFAULT_RECIPES = ("bf16", "lora")  # step_peak.DEFAULT_RECIPES
+_DEFAULT_RANK = 16  # step_peak.DEFAULT_RANK
+_DEVICES = ("cuda", "cpu")  # step_peak.DEVICES
+# step_peak._UNITS and _SIZE: how parse_size reads --fits
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+# The options that take a value: a value that looks negative ("--fits -5GiB") is taken as theirs and
+# refused by their check with the reason, not by argparse as a missing value.
+_VALUED = ("--batch", "--seq", "--dtype", "--images", "--image-size", "--fits", "--rank")
+
+_SUMMARY = (
+    "what training a Hugging Face model saves for backward, eager and after invact.patch(), from its "
+    "config alone; with --fits SIZE, how long a sequence (or how large a batch) fits in SIZE (24GiB, "
+    "80GB)"
+)
+
+_EPILOG = """\
+examples:
+  invact plan config.json --batch 1 --seq 4096     what one training forward saves, eager and patched
+  invact plan config.json --fits 24GiB             how long a sequence fits in 24 GiB (at batch 1)
+  invact plan config.json --fits 80GiB --seq 4096  how large a batch of 4096 tokens fits in 80 GiB
+  invact plan --help                               every option, and what the figures are"""
 
 _PLAN_DESCRIPTION = """\
 Build the model a Hugging Face config JSON describes (its image-text-to-text class where it has a
@@ -82,16 +121,22 @@ backward buffers and AdamW's temporaries, each where the step holds them. Recipe
 and AdamW's state in bf16; "lora", a frozen bf16 base with PEFT's LoRA adapters (bf16, --rank,
 alpha 2 x rank, dropout 0) on every Linear but the head, AdamW on the adapters (needs peft).
 Checkpointing: Hugging Face's (activation_checkpointing_enable, torch's non-reentrant checkpoint
-around each decoder layer). --fits searches the longest sequence in multiples of {SEQ_MULTIPLE} tokens
-up to the config's max_position_embeddings (">=" where that fits), or with --seq alone the largest
-batch; "none" where not even the smallest fits. Give --fits what PyTorch may allocate: a GPU's
-memory less the CUDA context (about 0.5 GiB) and what else runs on it. Checked against real CPU
-steps: benchmarks/step_plan.py.
+around each decoder layer). --fits searches the longest sequence in multiples of {_SEQ_MULTIPLE} tokens
+up to the config's max_position_embeddings (">=" where that fits) at --batch (default 1), or with
+--seq instead the largest batch (give one of them: the other is what it searches); "none" where not
+even the smallest fits. The output's second line says which it searched. Give --fits what PyTorch
+may allocate: a GPU's memory less the CUDA context (about 0.5 GiB) and what else runs on it.
+Checked against real CPU steps: benchmarks/step_plan.py.
+
+A --seq past the config's max_position_embeddings (or n_positions) is planned as given, with one
+warning line on stderr: the model has no positions there.
 
 Exit status: 0, or 2 with one line on stderr for bad input: no such file, invalid JSON, a config
-transformers cannot build, a model whose forward cannot run on the meta device, a non-positive
-batch or seq, an unknown dtype, --images for a model without a vision tower, images whose tokens
-do not fit in seq, an image size the tower does not take."""
+without a model_type or that transformers cannot build, a model whose forward cannot run on the meta
+device, a non-positive batch or seq, an unknown dtype, --fits that is not a positive size, --fits
+with both --batch and --seq, --images for a model without a vision tower, images whose tokens do not
+fit in seq, an image size the tower does not take. The file is checked first, and all but the last
+few before torch and transformers load."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,12 +171,58 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    """--fits: the bytes of a size such as 24GiB, 80GB, 24G (binary) or 25769803776, read as
+    step_peak.parse_size reads it."""
+    match = _SIZE.fullmatch(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    size = None if not match or unit is None else int(float(match.group(1)) * unit)
+    if text.strip().startswith("-") or size == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size like 24GiB, got {text!r}")
+    if size is None:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size: write it as 24GiB, 80GB, 24G "
+                                         "(binary) or bytes")  # fmt: skip
+    return size
+
+
+def _version() -> str:
+    """The --version line, "invact X.Y.Z (torch ..., transformers ...)", from the installed distributions'
+    metadata: nothing imported."""
+    from importlib import metadata
+
+    from invact import __version__
+
+    def installed(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    others = ", ".join(f"{name} {installed(name) or 'not installed'}" for name in ("torch", "transformers"))
+    return f"invact {installed('invact') or __version__} ({others})"
+
+
+class _Version(argparse.Action):
+    """--version: print _version() and exit (status 0)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="invact", description="invact: inverted activations for PyTorch training.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser = _Parser(prog="invact", description="invact: inverted activations for PyTorch training.",
+                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--version", action=_Version,
+                        help="print invact's version (and torch's and transformers') and exit")  # fmt: skip
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser,
+                                     title="commands")  # fmt: skip
     plan = commands.add_parser(
         "plan",
-        help="what training saves for backward, eager and after invact.patch(), from a config alone",
+        help=_SUMMARY,
         description=_PLAN_DESCRIPTION,
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -143,18 +234,19 @@ def _parser() -> argparse.ArgumentParser:
         "--batch",
         type=_positive,
         metavar="B",
-        help="batch size: input_ids are (B, S) (required, but with --fits, where the default is "
-        "1 unless --seq is given: then the largest batch is searched)",
+        help="batch size: input_ids are (B, S) (required; with --fits, give --batch or --seq, not both: "
+        "the longest sequence is searched at --batch, default 1, or the largest batch at --seq)",
     )
     plan.add_argument(
         "--seq",
         type=_positive,
         metavar="S",
         help="sequence length, tokens: with images, their tokens and the text's together; an "
-        "encoder-decoder's encoder and decoder each run S (required, but with --fits)",
+        "encoder-decoder's encoder and decoder each run S (required, but with --fits; past the "
+        "config's max_position_embeddings: a warning)",
     )
     plan.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
-                      help=f"the model's dtype: {', '.join(DTYPES)} (default: bfloat16)")  # fmt: skip
+                      help=f"the model's dtype: {', '.join(_DTYPES)} (default: bfloat16)")  # fmt: skip
     plan.add_argument("--no-gated", dest="gated", action="store_false",
                       help="patch(gated=False): replace the activations only, keep gated MLPs' products "
                            "(default: the gated path, patch()'s default)")  # fmt: skip
@@ -182,10 +274,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     step.add_argument(
         "--fits",
+        type=_size,
         metavar="SIZE",
         help="the memory the step must fit in (24GiB, 80GB, 24G = GiB, or bytes): print the longest "
-        f"sequence (a multiple of {SEQ_MULTIPLE}) that fits at --batch (default 1), or with "
-        "--seq alone the largest batch, eager and patch(), without and with checkpointing, "
+        f"sequence (a multiple of {_SEQ_MULTIPLE}) that fits at --batch (default 1), or with "
+        "--seq instead the largest batch, eager and patch(), without and with checkpointing, "
         "per recipe",
     )
     step.add_argument(
@@ -204,23 +297,23 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--recipe",
         nargs="+",
-        choices=[*RECIPES, "all"],
-        default=list(DEFAULT_RECIPES),
+        choices=[*_RECIPES, "all"],
+        default=list(_DEFAULT_RECIPES),
         metavar="R",
         help="the recipes: "
-        + "; ".join(f"{r.name}: {r.label}" for r in RECIPES.values())
-        + f"; all: every one (default: {' '.join(DEFAULT_RECIPES)})",
+        + "; ".join(f"{name}: {label}" for name, label in _RECIPES.items())
+        + f"; all: every one (default: {' '.join(_DEFAULT_RECIPES)})",
     )
     step.add_argument(
         "--rank",
         type=_positive,
-        default=DEFAULT_RANK,
+        default=_DEFAULT_RANK,
         metavar="R",
-        help=f"the LoRA rank (default {DEFAULT_RANK})",
+        help=f"the LoRA rank (default {_DEFAULT_RANK})",
     )
     step.add_argument(
         "--device",
-        choices=list(DEVICES),
+        choices=list(_DEVICES),
         default="cuda",
         help="the device the step is planned for: invact's loss computes blocks of its size (default cuda)",
     )
@@ -346,25 +439,101 @@ def format_plan(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _plan(args) -> int:
+def _check_config(path: str) -> None:
+    """The config file, checked before anything loads: it exists (in a folder: its config.json), reads as
+    a JSON object and names a model_type; each failure one line, in invact.planner's words
+    (read_config, build_config), which check the same again when the run reads it."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.exists():
+        _fail(PROG, f"{file}: no such file")
     try:
-        import transformers
-    except ImportError:
-        _fail("invact plan", "transformers is not installed: pip install transformers")
-    transformers.utils.logging.set_verbosity_error()  # its advice on configs would interleave the table
-    from invact.planner import plan_memory
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(PROG, f"{file}: cannot read it: {e}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(PROG, f"{file}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    if not isinstance(data, dict):
+        _fail(PROG, f"{file}: a config is a JSON object, got {type(data).__name__}")
+    if not isinstance(data.get("model_type"), str):
+        _fail(PROG, f"{file}: the config has no model_type: transformers cannot tell which model it "
+                    "describes")  # fmt: skip
 
+
+def _check_arguments(args) -> None:
+    """What the arguments ask, checked before anything loads (after the config file): each refusal one
+    line, exit status 2."""
+    if not (args.fits is not None or args.step or args.explain):
+        for name in ("batch", "seq"):
+            if getattr(args, name) is None:
+                _fail(PROG, f"the following argument is required: --{name} (or --fits)")
+        if args.dtype.lower().removeprefix("torch.") not in _DTYPES:
+            _fail(PROG, f"unknown dtype {args.dtype!r} (choose from {', '.join(_DTYPES)})")
+        return
+    if args.dtype.lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
+        _fail(PROG, "--step, --explain and --fits plan bf16 recipes: leave --dtype at bfloat16")
+    if args.fits is None and (args.batch is None or args.seq is None):
+        _fail(PROG, "--step and --explain need --batch and --seq (or --fits)")
+    if args.fits is not None and args.batch is not None and args.seq is not None:
+        _fail(PROG, "--fits searches the longest sequence at --batch or the largest batch at --seq: give one "
+                    "of them, not both (--step plans the peak at --batch and --seq)")  # fmt: skip
+    if not (args.gated and args.norms and args.loss and args.labels):
+        _fail(PROG, "--step, --explain and --fits plan patch() with its defaults and labels: "
+                    "drop --no-gated, --no-norms, --no-loss and --no-labels")  # fmt: skip
+
+
+def _load_runtime() -> None:
+    """What the run needs, once the input is checked: invact's runtime (torch; deferred in the command's
+    process, invact._load) and transformers (seconds)."""
+    import invact
+
+    try:
+        invact._load()
+        import transformers
+    except ImportError as e:
+        if getattr(e, "name", None) == "transformers":
+            _fail(PROG, "transformers is not installed: pip install transformers")
+        _fail(PROG, str(e))
+    transformers.utils.logging.set_verbosity_error()  # its advice on configs would interleave the table
+
+
+def _warn_past_positions(path: str, seq: int | None) -> None:
+    """One line on stderr where seq is past the positions the config's model has (its text model's
+    max_position_embeddings or n_positions, as --fits' search stops there): planned as given."""
+    from invact.planner import PlanError, load_config
+
+    try:
+        config = load_config(path)[0]
+    except PlanError as e:
+        _fail(PROG, str(e))
+    for source in (getattr(config, "text_config", None), config):
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                if seq is not None and seq > value:
+                    print(f"{PROG}: warning: --seq {seq} is past the config's {name} ({value}): the model "
+                          "has no positions beyond it; planned as given", file=sys.stderr)  # fmt: skip
+                return
+
+
+def _plan(args) -> int:
+    _check_config(args.config)
+    _check_arguments(args)
+    _load_runtime()
+    from invact.planner import PlanError, plan_memory
+
+    _warn_past_positions(args.config, args.seq)
     if args.fits is not None or args.step or args.explain:
         return _plan_step(args)
-    for name in ("batch", "seq"):
-        if getattr(args, name) is None:
-            _fail("invact plan", f"the following argument is required: --{name} (or --fits)")
     try:
         result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
                              norms=args.norms, loss=args.loss, labels=args.labels, images=args.images,
                              image_size=args.image_size)  # fmt: skip
     except PlanError as e:
-        _fail("invact plan", str(e))
+        _fail(PROG, str(e))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -373,22 +542,16 @@ def _plan(args) -> int:
 
 
 def _plan_step(args) -> int:
-    from invact.step_peak import plan_step
+    from invact.planner import PlanError
+    from invact.step_peak import RECIPES, plan_step
 
-    if args.dtype.lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
-        _fail("invact plan", "--step, --explain and --fits plan bf16 recipes: leave --dtype at bfloat16")
-    if args.fits is None and (args.batch is None or args.seq is None):
-        _fail("invact plan", "--step and --explain need --batch and --seq (or --fits)")
-    if not (args.gated and args.norms and args.loss and args.labels):
-        _fail("invact plan", "--step, --explain and --fits plan patch() with its defaults and labels: "
-                             "drop --no-gated, --no-norms, --no-loss and --no-labels")  # fmt: skip
     recipes = tuple(RECIPES) if "all" in args.recipe else tuple(dict.fromkeys(args.recipe))
     try:
         result = plan_step(args.config, args.batch, args.seq, recipes=recipes,
                            rank=args.rank, fits=args.fits, device=args.device, images=args.images,
                            image_size=args.image_size)  # fmt: skip
     except PlanError as e:
-        _fail("invact plan", str(e))
+        _fail(PROG, str(e))
     print(json.dumps(result, indent=2) if args.json else format_step(result, explain=args.explain))
     return 0
 
@@ -410,7 +573,7 @@ def format_step(result: dict, explain: bool = False) -> str:
     lines = [f"invact plan: {result['model_class']} from {source}"]
     if searched == "seq":
         lines.append(
-            f"the longest sequence (a multiple of {SEQ_MULTIPLE}, at most {result['cap']}) at batch "
+            f"the longest sequence (a multiple of {_SEQ_MULTIPLE}, at most {result['cap']}) at batch "
             f"{result['batch']} whose training step fits in {_bytes(result['fits_bytes'])}"
         )
     elif searched == "batch":
@@ -478,6 +641,8 @@ def format_step(result: dict, explain: bool = False) -> str:
             )
         )
     if explain:
+        from invact.step_peak import TERMS
+
         lines += ["", "where each peak's bytes are (live at the peak):"]
         for r in result["rows"]:
             head = (
@@ -498,15 +663,49 @@ def format_step(result: dict, explain: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """argv with each option of _VALUED followed by a value that looks negative ("--fits", "-5GiB")
+    joined into one ("--fits=-5GiB"), which argparse hands to the option's check."""
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return joined + argv[i:]
+        if argv[i] in _VALUED and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            joined.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `invact` console command; returns the exit status (0, or 2 for bad input)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = _parser().parse_args(argv)
+        args = _parser().parse_args(_negative_values_joined(argv))
         if args.command == "plan":
             return _plan(args)
-    except SystemExit as e:  # argparse's --help (0) and the one-line errors (2)
+    except SystemExit as e:  # argparse's --help and --version (0) and the one-line errors (2)
         return e.code if isinstance(e.code, int) else ERROR_STATUS
     return ERROR_STATUS  # pragma: no cover - argparse requires a known command
 
 
-__all__ = ["KINDS", "format_plan", "main"]
+# The names this module took from invact.planner and invact.step_peak before the command deferred their
+# import (torch): each imports its module when asked for.
+_PLANNER_NAMES = ("KINDS", "DTYPES", "PlanError", "DEFAULT_IMAGE_SIDE")
+_STEP_NAMES = ("RECIPES", "TERMS", "SEQ_MULTIPLE", "DEFAULT_RANK", "DEFAULT_RECIPES", "DEVICES")
+
+
+def __getattr__(name: str):
+    if name in _PLANNER_NAMES or name in _STEP_NAMES:
+        import invact
+
+        invact._load()
+        from invact import planner, step_peak
+
+        return getattr(planner if name in _PLANNER_NAMES else step_peak, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["KINDS", "format_plan", "main"]  # noqa: F822 - KINDS: __getattr__

@@ -10,9 +10,13 @@ on the "invact" logger with the reason, and listed by `plan(model)`.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
+import warnings
+from collections.abc import Iterable, Mapping
 
+import torch
 from torch import nn
 
 from invact import activation, loss, mlp, norm
@@ -23,6 +27,7 @@ log = logging.getLogger("invact")
 # The op kinds, in the order plan() asks them to decide and patch() to apply: the MLP's decision
 # follows the activations replaced, the norm's and the loss's stand alone.
 KINDS: tuple[Kind, ...] = (activation.KIND, mlp.KIND, norm.KIND, loss.KIND)
+_LOSS = loss.KIND  # patch()'s and plan()'s argument `loss` hides the module there
 
 __all__ = ["KINDS", "Decision", "patch", "plan"]
 
@@ -70,7 +75,7 @@ def plan(
     named for the head: replaced means a training forward with labels computes the loss from the
     hidden state and the head's weight a chunk of rows at a time (no logits kept; its output's
     `logits` computed on demand, invact.loss.PendingLogits). include/exclude do not apply to it."""
-    return _plan(model, _options(include, exclude, mode, example_inputs, gated, norms, loss))
+    return _plan(model, _checked("plan", model, include, exclude, mode, example_inputs, gated, norms, loss))
 
 
 def _options(include, exclude, mode: str, example_inputs, gated: bool, norms: bool, loss: bool) -> Options:
@@ -78,6 +83,49 @@ def _options(include, exclude, mode: str, example_inputs, gated: bool, norms: bo
         raise ValueError(f"mode must be 'bits' or 'precision_bit', got {mode!r}")
     return Options(glob_patterns(include, "include"), glob_patterns(exclude, "exclude"), mode,
                    example_inputs, gated, norms, loss)  # fmt: skip
+
+
+def _checked(what: str, model, include, exclude, mode, example_inputs, gated, norms, loss) -> Options:
+    """plan()'s or patch()'s arguments (`what`: "plan" or "patch") as Options, each checked before
+    anything runs: a TypeError (a wrong type) or ValueError (a wrong value) of one line that names the
+    function and the argument. A mapping that is not a dict (transformers' BatchEncoding) as
+    example_inputs is taken as the dict of its items."""
+
+    def refuse(error: type[Exception], text: str) -> Exception:
+        return error(f"invact.{what}: {text}")
+
+    if not isinstance(model, nn.Module):
+        raise refuse(TypeError, f"model must be a torch.nn.Module, got {_described(model)}")
+    for name, value in (("gated", gated), ("norms", norms), ("loss", loss)):
+        if not isinstance(value, bool):
+            raise refuse(TypeError, f"{name} must be True or False, got {value!r}")
+    if not isinstance(mode, str):
+        raise refuse(TypeError, f"mode must be 'bits' or 'precision_bit' (a str), got {type(mode).__name__}")
+    for name, value in (("include", include), ("exclude", exclude)):
+        if value is not None and not isinstance(value, (str, Iterable)):
+            raise refuse(TypeError, f"{name} takes glob patterns (a str or an iterable of str), got "
+                                    f"{type(value).__name__}")  # fmt: skip
+    if isinstance(example_inputs, Mapping) and not isinstance(example_inputs, dict):
+        example_inputs = dict(example_inputs)
+    elif example_inputs is not None and not isinstance(example_inputs, (torch.Tensor, tuple, dict)):
+        raise refuse(TypeError, "example_inputs must be a tensor, a tuple of positional arguments or a dict "
+                                f"of keyword arguments, got {type(example_inputs).__name__} (one input of "
+                                "another type: pass it as a 1-tuple)")  # fmt: skip
+    try:
+        return _options(include, exclude, mode, example_inputs, gated, norms, loss)
+    except (TypeError, ValueError) as e:  # a pattern that is not a str, an unknown mode
+        raise refuse(type(e), str(e)) from None
+
+
+def _described(value) -> str:
+    """What a value that is not a module is, for the error that refuses it, with the likely fix."""
+    if value is None:
+        return "None"
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__} (a state_dict? pass the nn.Module it loads into)"
+    if isinstance(value, str):
+        return "str (a model's name or path? load the model first, e.g. AutoModelForCausalLM.from_pretrained)"
+    return type(value).__name__
 
 
 def _plan(model: nn.Module, options: Options) -> list[Decision]:
@@ -92,7 +140,87 @@ def _plan(model: nn.Module, options: Options) -> list[Decision]:
             if not any(fnmatch.fnmatchcase(n, p) for n in names):
                 example = f" (they look like {names[0]!r})" if names else " (the model has none)"
                 raise ValueError(f"{what} pattern {p!r} matches no activation's or norm's name{example}")
-    return decisions
+    return [_loss_state_told(model, d) for d in decisions]
+
+
+# The loss's Decision where an earlier patch() took a head that has been replaced since
+_HEAD_REPLACED = ("not in effect: the head was replaced after invact.patch() took it "
+                  "(resize_token_embeddings or set_output_embeddings), so the loss computes full logits "
+                  "until patch() runs again, which takes the new head: ")  # fmt: skip
+
+
+def _loss_host(model: nn.Module, name: str) -> nn.Module | None:
+    """The module on the path to the head `name` (the model itself included) whose forward an earlier
+    patch() wrapped to compute the loss from the head at that path (invact.loss.take: it keeps the
+    head's path in `_invact_head_path`); None where no patch() took a head there."""
+    parts = name.split(".")
+    for depth in range(len(parts)):
+        module = model.get_submodule(".".join(parts[:depth]))
+        state = vars(module)
+        if state.get("_invact_loss_hooked") and state.get("_invact_head_path") == tuple(parts[depth:]):
+            return module
+    return None
+
+
+def _loss_in_place(model: nn.Module, name: str) -> bool:
+    """Whether an earlier patch() took the head `name` and it is still the module there."""
+    return isinstance(model.get_submodule(name), loss.LossHead) and _loss_host(model, name) is not None
+
+
+def _loss_state_told(model: nn.Module, d: Decision) -> Decision:
+    """The loss's Decision to take a head, its reason saying so where an earlier patch() took the
+    module that was there and it has been replaced since (the loss path is then off)."""
+    if d.kind != loss.KIND.name or not d.replace or _loss_in_place(model, d.name):
+        return d
+    if _loss_host(model, d.name) is None:
+        return d
+    return dataclasses.replace(d, reason=_HEAD_REPLACED + d.reason)
+
+
+class _HeadWatch:
+    """The set_output_embeddings patch() gives a model whose loss it computes from the head's input (an
+    instance attribute, as invact.loss's forward): the model's own, then, where the module at the
+    head's path is no longer the patched head (resize_token_embeddings builds a new nn.Linear and hands
+    it here), one warning that the loss computes full logits until patch() runs again (each time
+    patch() takes a head anew, one more). `own`: a set_output_embeddings set on the instance before,
+    which it calls; None: the class's."""
+
+    def __init__(self, module: nn.Module) -> None:
+        own = vars(module).get("set_output_embeddings")
+        self.module, self.own = module, own.own if isinstance(own, _HeadWatch) else own
+        self.warned = False
+
+    def __call__(self, *args, **kwargs):
+        module, own = self.module, self.own
+        result = (own or type(module).set_output_embeddings.__get__(module))(*args, **kwargs)
+        path = vars(module).get("_invact_head_path")
+        if path and not self.warned and not isinstance(_at(module, path), loss.LossHead):
+            self.warned = True
+            warnings.warn(f"invact: {'.'.join(path)} of {type(module).__name__} was replaced after "
+                          "invact.patch() took it (resize_token_embeddings?): its loss computes full "
+                          "(tokens x vocab) logits again; call invact.patch(model) again to compute it from "
+                          "hidden states", stacklevel=2)  # fmt: skip
+        return result
+
+
+def _at(module: nn.Module, path: tuple[str, ...]) -> nn.Module | None:
+    """The module at `path` (attribute names) below `module`; None where there is none."""
+    for part in path:
+        module = module._modules.get(part) if isinstance(module, nn.Module) else None
+    return module
+
+
+def _watch_head(model: nn.Module, name: str) -> None:
+    """After patch() took the head `name`: the module whose forward computes the loss warns when its
+    head is replaced (_HeadWatch), once per take."""
+    host = _loss_host(model, name)
+    if host is None or not callable(getattr(host, "set_output_embeddings", None)):
+        return
+    watch = vars(host).get("set_output_embeddings")
+    if isinstance(watch, _HeadWatch) and watch.module is host:
+        watch.warned = False
+    else:
+        host.set_output_embeddings = _HeadWatch(host)
 
 
 def patch(
@@ -107,8 +235,16 @@ def patch(
     loss: bool = True,
 ) -> list[str]:
     """Replace, in place, every activation that InvAct reproduces exactly and that saves memory; return
-    their names. Arguments as for plan(); with `example_inputs` the saving is measured per activation
-    and nothing that would add memory is replaced.
+    the names of the modules this call changed. Arguments as for plan(); with `example_inputs` the
+    saving is measured per activation and nothing that would add memory is replaced. An argument of
+    the wrong type is a TypeError, a wrong value a ValueError, each naming it, before anything changes.
+
+    Idempotent: a second call on the same model changes nothing and returns [] (what is in place:
+    plan(), whose Decisions list the patched head as replaced, the patched activations and norms not
+    at all); a call with another `mode` returns the activations it switched. A head replaced after
+    patch() (`model.resize_token_embeddings(...)` builds a new nn.Linear) is a plain head: the loss
+    (`loss` below) computes full logits again, the model's set_output_embeddings warns once
+    (UserWarning) and plan() says so; call patch() again, which takes the new head and returns its name.
 
     `gated` (default True): also hook the module holding each InvAct activation (its parent: the MLP)
     so that nothing in it saves a copy of a gated product act(g) * u (the down projection's input, be
@@ -134,14 +270,24 @@ def patch(
     enabled computes its loss and gradients from the last hidden state and the head's weight, a chunk of
     rows at a time (invact.loss): no (tokens x vocab) logits kept for backward or materialized whole, the
     model's own loss semantics kept (label shift, ignore_index, num_items_in_batch, logits_to_keep,
-    softcapping and logit scales); its output's `logits` is then None. Inference, eval mode and calls
-    without labels are unchanged. loss=False leaves the head as it is."""
-    options = _options(include, exclude, mode, example_inputs, gated, norms, loss)
+    softcapping and logit scales); its output's `logits` are computed when read, from the head as it is
+    then (invact.loss.PendingLogits: reading them after optimizer.step() raises), and are None under
+    torch.compile. Inference, eval mode and calls without labels are unchanged. loss=False leaves the
+    head as it is."""
+    options = _checked("patch", model, include, exclude, mode, example_inputs, gated, norms, loss)
     decisions = _plan(model, options)
     for d in decisions:
         if not d.replace:
             log.info("invact.patch: left %s (%s) alone: %s", d.name, d.cls, d.reason)
+    # a head an earlier call took (and still in place) is in the plan, but nothing changes for it
+    taken = {d.name for d in decisions if d.kind == _LOSS.name and _loss_in_place(model, d.name)}
     replaced = []
     for kind in KINDS:
-        replaced += kind.apply(model, decisions, options)
+        names = kind.apply(model, decisions, options)
+        if kind is _LOSS:
+            for name in names:
+                if name not in taken:
+                    _watch_head(model, name)
+            names = [n for n in names if n not in taken]
+        replaced += names
     return replaced

@@ -48,3 +48,18 @@ def test_the_docs_site_builds_strict(tmp_path):
     assert (tmp_path / "site" / "index.html").exists(), output
     for png in sorted((ROOT / "benchmarks" / "results").glob("*.png")):  # the training plots, as published
         assert (tmp_path / "site" / "results" / "plots" / png.name).exists(), f"{png.name} not in the site"
+
+
+def test_the_faq_exactness_claim_is_the_coverage_runs():
+    """The FAQ's "does it change my outputs" answer quotes the model-coverage run
+    (benchmarks/results/architectures_cpu.json): the model types compared, those bitwise, and the
+    largest relative difference of the rest, as docs/results/architectures.md prints it."""
+    rows = [r for r in json.loads((ROOT / "benchmarks/results/architectures_cpu.json").read_text())["rows"]
+            if r["status"] == "ok"]  # fmt: skip
+    bitwise = sum(r["output_rel"] == 0 for r in rows)
+    worst = re.sub(r"e-0*", "e-", f"{max(r['output_rel'] for r in rows):.1e}")  # 1.9e-07 printed 1.9e-7
+    faq = " ".join((ROOT / "docs/faq.md").read_text().split())
+    coverage = " ".join((ROOT / "docs/results/architectures.md").read_text().split())
+    said = f"of {len(rows)} model types patched small on CPU, outputs were bitwise on {bitwise} and the other"
+    assert f"{said} {len(rows) - bitwise} within {worst}" in faq
+    assert f"outputs bitwise on {bitwise}**, the other {len(rows) - bitwise} within {worst}" in coverage
