@@ -621,15 +621,16 @@ def take(model: nn.Module, name: str) -> None:
     swap(head, LossHead)
     owner, attr = kinds.parent(model, name)
     steps = _steps(type(owner), attr) if owner is model else None
-    if (
-        steps is not None
-        and _ops(owner, steps) is not None
-        and not isinstance(vars(owner).get("_loss_function"), HeadLoss)
-    ):
+    if steps is not None and _ops(owner, steps) is not None:
         head._invact_straight = True
-        owner._loss_function = HeadLoss(head, owner.loss_function, owner, steps)
+        taken = vars(owner).get("_loss_function")
+        if isinstance(taken, HeadLoss):  # taken again (a new head after patch(): the loss follows it)
+            taken.head = head
+        else:
+            owner._loss_function = HeadLoss(head, owner.loss_function, owner, steps)
     model._invact_head_path = tuple(name.split("."))
-    model.forward = _Armed(model)
+    if not isinstance(vars(model).get("forward"), _Armed):  # one wrapper, however often it is taken
+        model.forward = _Armed(model)
     model._invact_loss_hooked = True
     # The per-call state, set before the first call (and left None, not deleted, by _take): under compile
     # a first call that created an attribute recompiled at the second (Dynamo guards on whether it

@@ -150,6 +150,9 @@ def test_a_head_replaced_after_patch_warns_and_patch_takes_it_back():
     (d,) = [d for d in invact.plan(model) if d.kind == "loss"]
     assert d.replace and not d.reason.startswith("not in effect")
     assert isinstance(_same_loss(model, ids, tied=False), PendingLogits)  # the loss from hidden states again
+    # taken again, not twice over: one forward wrapper, and the loss function follows the new head
+    assert not isinstance(vars(model)["forward"].__wrapped__, type(vars(model)["forward"]))
+    assert model._loss_function.head is model.lm_head
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
