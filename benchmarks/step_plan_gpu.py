@@ -47,6 +47,29 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
+class KeptAfterOOM(RuntimeError):
+    """Memory a failed probe left allocated: every later probe of the process would read low."""
+
+
+def attempt(run, allocated=torch.cuda.memory_allocated) -> bool:
+    """Whether run() completes without torch.cuda.OutOfMemoryError. After an out-of-memory error the
+    exception is dropped before anything is freed (its traceback's frames hold the step's tensors:
+    freeing inside the except clause frees nothing, which once made every later probe of a run fail),
+    then the allocated bytes must be back where they were before run(), or KeptAfterOOM is raised."""
+    before = allocated()
+    failed = False
+    try:
+        run()
+    except torch.cuda.OutOfMemoryError:
+        failed = True
+    # here the exception, its traceback and their frames are gone
+    _free()
+    after = allocated() if failed else before
+    if after > before:
+        raise KeptAfterOOM(f"{after - before} bytes still allocated after an out-of-memory probe")
+    return not failed
+
+
 def measured_peak(step, seq: int) -> int:
     """max_memory_allocated() over one real step at (1, seq), after a warm-up step."""
     given = inputs(step, 1, seq)
@@ -60,16 +83,16 @@ def measured_peak(step, seq: int) -> int:
 
 
 def runs(step, seq: int) -> bool:
-    """A real step at (1, seq) completes within the allocator's limit (no OutOfMemoryError)."""
-    try:
-        step.run(inputs(step, 1, seq))
-        torch.cuda.synchronize()
-        return True
-    except torch.cuda.OutOfMemoryError:
-        step.optimizer.zero_grad(set_to_none=True)
-        return False
-    finally:
-        _free()
+    """A real step at (1, seq) completes within the allocator's limit (no OutOfMemoryError; attempt)."""
+
+    def run() -> None:
+        try:
+            step.run(inputs(step, 1, seq))
+            torch.cuda.synchronize()
+        finally:
+            step.optimizer.zero_grad(set_to_none=True)  # a step that failed in backward: its gradients
+
+    return attempt(run)
 
 
 def boundary(fits, guess: int, multiple: int, cap: int) -> tuple[int, int]:
@@ -128,11 +151,9 @@ def compare(config: dict, recipe: str, seqs, budget: int, report=print):
         for seq in seqs:
             predicted = meta.peak(1, seq)
             _free()
-            try:
-                measured = measured_peak(real, seq)
-            except torch.cuda.OutOfMemoryError:
-                measured = None
-                _free()
+            peak: list[int] = []
+            measure = lambda peak=peak, seq=seq: peak.append(measured_peak(real, seq))  # noqa: E731
+            measured = peak[0] if attempt(measure) else None
             row = {
                 "recipe": recipe,
                 "patched": patched,

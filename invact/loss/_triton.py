@@ -24,27 +24,9 @@ import triton.language as tl
 
 from invact._triton_build import build
 
-NONE, MUL, DIV = 0, 1, 2
-
-
-def plan(ops: tuple) -> tuple[int, float, bool, int, float] | None:
-    """ops (invact.loss's transform) as (pre-op, its value, tanh, post-op, its value), or None where
-    they are not one scalar step, a tanh and one scalar step (each optional)."""
-    pre, tanh, post = (NONE, 1.0), False, (NONE, 1.0)
-    for op in ops:
-        if op[0] == "tanh":
-            if tanh or post[0] != NONE:
-                return None
-            tanh = True
-        else:
-            kind = MUL if op[0] == "mul" else DIV
-            if not tanh and pre[0] == NONE:
-                pre = (kind, float(op[1]))
-            elif tanh and post[0] == NONE:
-                post = (kind, float(op[1]))
-            else:
-                return None
-    return pre[0], pre[1], tanh, post[0], post[1]
+# The transform as the kernel takes it (one scalar step, a tanh, one scalar step): invact.loss.op.plan,
+# which needs no triton (a meta step planned for CUDA reads it on a machine without one).
+from invact.loss.op import DIV, MUL, NONE, plan  # noqa: F401 - plan: read here by tests
 
 
 @triton.jit

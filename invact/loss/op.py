@@ -128,16 +128,38 @@ def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
     return z, scale, tanhs
 
 
+# The scalar steps of invact.loss._triton's kernel (plan's codes)
+NONE, MUL, DIV = 0, 1, 2
+
+
+def plan(ops: tuple) -> tuple[int, float, bool, int, float] | None:
+    """ops (invact.loss's transform) as invact.loss._triton's kernel takes them: (pre-op, its value,
+    tanh, post-op, its value), or None where they are not one scalar step, a tanh and one scalar step
+    (each optional)."""
+    pre, tanh, post = (NONE, 1.0), False, (NONE, 1.0)
+    for op in ops:
+        if op[0] == "tanh":
+            if tanh or post[0] != NONE:
+                return None
+            tanh = True
+        else:
+            kind = MUL if op[0] == "mul" else DIV
+            if not tanh and pre[0] == NONE:
+                pre = (kind, float(op[1]))
+            elif tanh and post[0] == NONE:
+                post = (kind, float(op[1]))
+            else:
+                return None
+    return pre[0], pre[1], tanh, post[0], post[1]
+
+
 def _kernels(t: torch.Tensor, ops: tuple) -> bool:
     """invact.loss._triton.rows serves chunks of logits on t's device (CUDA, or INVACT_BACKEND=triton; a
-    meta tensor standing for CUDA) with this transform (one it takes)."""
-    if backend_for(t) != "triton" and not (t.is_meta and stands_for() == "cuda"):
+    meta tensor standing for CUDA, whether or not triton is installed here: the plan is the kernel's
+    bytes) with this transform (one it takes)."""
+    if plan(ops) is None:
         return False
-    try:
-        from invact.loss import _triton as _loss_triton
-    except ImportError:  # planned for CUDA on a machine without triton: as the torch path
-        return False
-    return _loss_triton.plan(ops) is not None
+    return backend_for(t) == "triton" or (t.is_meta and stands_for() == "cuda")
 
 
 def _rows_torch(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.Tensor:

@@ -5,9 +5,11 @@ against real CPU steps)."""
 import importlib
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -86,3 +88,24 @@ def test_the_gpu_checks_bisection_finds_the_last_multiple_that_fits(guess, limit
     stride = max(multiple, int(guess * 0.1) // multiple * multiple)
     steps = abs(min(limit, cap) - guess) // stride + 2
     assert probes <= steps + max(1, stride // multiple).bit_length() + 1, probes
+
+
+def _oom_holding(held: list) -> None:
+    big = torch.empty(2**20)  # noqa: F841 - what the failing step's frame holds when it raises
+    held.append(weakref.ref(big))
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+
+def test_an_out_of_memory_probe_leaves_nothing_behind():
+    """benchmarks/step_plan_gpu.py's attempt: a probe that runs out of memory is False, and the tensors
+    its frames held are freed by the time it returns (the exception dropped first), which a GPU's
+    allocated bytes then show; a probe that keeps memory raises. On CPU tensors, with a stand-in for
+    torch.cuda.memory_allocated."""
+    attempt, kept = _module("step_plan_gpu").attempt, _module("step_plan_gpu").KeptAfterOOM
+    held: list = []
+    assert attempt(lambda: _oom_holding(held), allocated=lambda: 0) is False
+    assert held and held[0]() is None  # freed
+    assert attempt(lambda: None, allocated=lambda: 0) is True
+    leaked = iter([0, 512])  # before, after: 512 bytes more after the failed probe
+    with pytest.raises(kept, match="512 bytes still allocated"):
+        attempt(lambda: _oom_holding([]), allocated=lambda: next(leaked))
