@@ -185,3 +185,18 @@ def test_the_kinds_under_compile_figures_in_the_docs_are_the_results():
     ]
     missing = [f for f in figures if f not in text]
     assert not missing, missing
+
+
+def test_the_norm_beside_the_loss_under_compile_is_the_result():
+    """docs/patching.md: compiled patch() against compiled patch(norms=False), from the kinds run and
+    the no-norms run (step_peak.py --variants), per dtype."""
+    kinds = json.loads((RESULTS / "step_peak_cpu_wide_compiled_kinds.json").read_text())["rows"]
+    alone = json.loads((RESULTS / "step_peak_cpu_wide_compiled_no_norms.json").read_text())["rows"]
+    changes = []
+    for k, n in zip(kinds, alone, strict=True):
+        assert k["dtype"] == n["dtype"]
+        without = n["variants"]["patch(norms=False)"]["peak_bytes"]
+        change = k["variants"]["patch()"]["peak_bytes"] / without - 1
+        changes.append(f"{abs(change):.1%}" if abs(change) < 5e-4 else f"{change:+.1%}".replace("+", ""))
+    text = " ".join((ROOT / "docs" / "patching.md").read_text().split())
+    assert f"both compiled, is {changes[0]} (fp32) and {changes[1]} (bf16)" in text
