@@ -21,7 +21,8 @@ Under torch.compile the gated form runs its modules' projections and activation,
 the custom op invact::gated_linear; a fused gate_up (Phi-3's MLP, recognised too, with no eager
 Function) runs gate_up(x), then invact::gate_up_linear; the plain form runs the module's forward (the
 activation's op saves the y the down projection keeps). Both ops are defined in invact.mlp.op. A MoE's
-experts module runs invact.mlp.experts' ops under compile, and any other hooked gated module with three
+experts module runs invact.mlp.experts' ops under compile (one they do not take, its reason appended
+to its activation's Decision: _experts_note), and any other hooked gated module with three
 projections (T5's) a selective checkpoint that recomputes its product (Recomputed).
 
 A call the Function does not take runs the module's own forward (under invact.mlp.gated's recompute
@@ -450,7 +451,19 @@ def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:
         return options.example_inputs is None or isinstance(getattr(owner, attr, None), InvAct)
 
     refined = [dataclasses.replace(d, gated=kinds.parent_name(d.name)) if hooked(d) else d for d in plan]
-    return Found(refined, [])
+    return Found([_experts_note(model, d) for d in refined], [])
+
+
+def _experts_note(model: nn.Module, d: Decision) -> Decision:
+    """`d`, its reason extended where the module it hooks is a MoE's experts module whose compiled calls
+    invact.mlp.experts does not take (hooked in eager mode all the same), with why."""
+    if d.gated is None or not experts.is_experts(module := model.get_submodule(d.gated)):
+        return d
+    why = experts.refusal(module, act=False)
+    if why is None:
+        return d
+    why = f"under torch.compile its experts run their own forward: {why}"
+    return dataclasses.replace(d, reason=f"{d.reason}; {why}")
 
 
 def apply(model: nn.Module, plan: list[Decision], options: Options) -> list[str]:

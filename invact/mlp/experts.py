@@ -14,8 +14,14 @@ the gate_up projection as invact::experts_linear.
 
 Recognised by structure, not class name (`match`): 3-D parameters gate_up_proj (E, 2k, h) and
 down_proj (E, h, k), an InvAct act_fn, no biases, weights not transposed, halves concatenated
-([gate; up]), no norm after the experts, transformers' default gate (act(g) * u), and the grouped_mm
-implementation selected in its config. Any other call runs the module's own forward.
+([gate; up]), no norm after the experts, not sharded for expert parallelism, transformers' default gate
+(act(g) * u), and the grouped_mm implementation selected in its config. Any other call runs the
+module's own forward; an experts module not taken gets its reason (`refusal`) in the plan, appended to
+its activation's (invact.mlp.decide). The flags are read as each transformers version sets them:
+has_post_expert_norm and _is_expert_parallel are in transformers 5.24 and not in 5.17 (see _FLAGS and
+refusal). transformers 4.x keeps the experts as an nn.ModuleList of per-expert MLPs with 2-D nn.Linear
+weights, not this module's layout: each expert is an ordinary gated MLP, which invact.mlp's fuse takes
+as any other (tests/invact/test_experts.py checks it on the transformers installed).
 
 Each op's body loops over the experts in Python (an op's body runs eagerly, so the group sizes read
 from the offsets are plain integers there): exact, and on a CPU as fast as grouped matrix products; on
@@ -164,25 +170,70 @@ def _default_gate(module: nn.Module) -> bool:
     return default is not None and getattr(type(module), "_apply_gate", None) is default
 
 
-def match(module: nn.Module) -> bool:
-    """`module` is an experts module whose compiled calls Forward takes (see the module docstring)."""
+# The layout flags transformers' use_experts_implementation sets on an experts module: (attribute, the
+# value the ops here compute, the value an absent attribute means, or None: it must be there).
+# has_post_expert_norm is in transformers 5.24 and not in 5.17, whose experts forwards apply no norm
+# after the experts (transformers/integrations/moe.py there): absent, it means False, unless the module
+# has a post_expert_norm (a norm whose use no flag says).
+_FLAGS = (
+    ("has_gate", True, None, "no gate (an up projection alone)"),
+    ("is_concatenated", True, None, "its gate and up halves interleaved"),
+    ("is_transposed", False, None, "its weights transposed"),
+    ("has_bias", False, None, "biases"),
+    ("has_post_expert_norm", False, False, "a norm after the experts"),
+)
+
+
+def is_experts(module: nn.Module) -> bool:
+    """`module` holds a MoE's experts as 3-D weights (transformers 5.x): a gate_up_proj or an up_proj and a
+    down_proj, each (experts, out, in) or transposed. transformers 4.x keeps them as an nn.ModuleList of
+    MLPs instead, each an ordinary gated MLP that invact.mlp's fuse takes (test_experts.py checks it)."""
+    params = module._parameters
+    down = params.get("down_proj")
+    up = params.get("gate_up_proj", params.get("up_proj"))
+    return down is not None and up is not None and down.dim() == 3 and up.dim() == 3
+
+
+def refusal(module: nn.Module, act: bool = True) -> str | None:
+    """Why match() does not take `module`, an experts module (is_experts), in words; None where it
+    does. `act`: also require an InvAct act_fn (False where the plan decides, before the activation is
+    replaced)."""
     params = module._parameters
     gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
-        return False
+        return "no 3-D gate_up_proj and down_proj"
     experts, two_k, hidden = gate_up.shape
     if down.shape != (experts, hidden, two_k // 2) or two_k % 2:
-        return False
-    flags = (module.__dict__.get(f, None) for f in ("has_gate", "is_concatenated", "is_transposed",
-                                                    "has_bias", "has_post_expert_norm"))  # fmt: skip
-    if tuple(flags) != (True, True, False, False, False) or getattr(module, "num_experts", None) != experts:
-        return False
-    if module.__dict__.get("_is_expert_parallel", False):  # its ids hold sentinels past the last expert
-        return False
-    config = module.__dict__.get("config")
-    if getattr(config, "_experts_implementation", None) != "grouped_mm":
-        return False
-    return isinstance(module._modules.get("act_fn"), InvAct) and _default_gate(module)
+        return f"weights {tuple(gate_up.shape)} and {tuple(down.shape)}, not (E, 2k, h) and (E, h, k)"
+    for name, computed, absent, words in _FLAGS:
+        value = module.__dict__.get(name, absent)
+        unflagged = name not in module.__dict__ and name == "has_post_expert_norm"
+        if unflagged and "post_expert_norm" in module._modules:
+            value = None  # a norm no flag describes
+        if value is None:
+            return f"no {name} attribute"
+        if value != computed:
+            return f"{words} ({name}={value!r})"
+    # expert parallelism: transformers 5.24 sets _is_expert_parallel, and the ids then hold sentinels
+    # past the last expert; 5.17 sets no flag, and its sharding (distributed/tensor_parallel.py,
+    # MoEParamShard) sets num_experts to the rank's count while the weights (DTensors) keep all experts
+    if module.__dict__.get("_is_expert_parallel", False):
+        return "expert-parallel (_is_expert_parallel: its ids hold sentinels past its experts)"
+    if (count := getattr(module, "num_experts", None)) != experts:
+        return f"num_experts {count!r} for weights of {experts} experts (an expert-parallel shard)"
+    implementation = getattr(module.__dict__.get("config"), "_experts_implementation", None)
+    if implementation != "grouped_mm":
+        return f"experts implementation {implementation!r}, not 'grouped_mm'"
+    if not _default_gate(module):
+        return "a gate of its own (not transformers' act(g) * u)"
+    if act and not isinstance(module._modules.get("act_fn"), InvAct):
+        return "an act_fn invact did not replace"
+    return None
+
+
+def match(module: nn.Module) -> bool:
+    """`module` is an experts module whose compiled calls Forward takes (see the module docstring)."""
+    return is_experts(module) and refusal(module) is None
 
 
 class Forward:
@@ -202,6 +253,9 @@ class Forward:
             or not torch.is_grad_enabled()
             or hidden_states.dim() != 2
             or hidden_states.dtype is not module.gate_up_proj.dtype
+            # sharded for expert parallelism after patch() (see refusal)
+            or module.__dict__.get("_is_expert_parallel", False)
+            or getattr(module, "num_experts", None) != module.gate_up_proj.shape[0]
         ):
             return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
         experts = module.gate_up_proj.shape[0]
