@@ -7,10 +7,11 @@
 Each environment is a venv under .compat/NAME (kept between runs: installing torch takes minutes)
 with its torch and transformers pinned, the checkout on sys.path (PYTHONPATH, nothing installed from
 it), and pytest; the core test files run there with `-m "not slow"`, then `invact plan
-benchmarks/configs/llama-3.2-1b-shaped.json --fits 24GiB`. The table (passed / failed / skipped /
-errors per environment, and whether the plan ran) is printed and written to
-benchmarks/results/compat_cpu.json and .md, with the machine and the date. The exit status is 1 where
-any test failed or a plan did not run, so the target fails as CI would.
+benchmarks/configs/llama-3.2-1b-shaped.json --fits 24GiB`. Each environment's row (passed / failed /
+skipped / errors, whether the plan ran, the machine, the date and the commit) replaces its earlier
+one in benchmarks/results/compat_cpu.json, and the table of all rows is printed and written beside it
+(.md), so `--only` reruns one environment. The exit status is 1 where a test of this run failed or
+a plan did not run, so the target fails as CI would.
 
 The range itself is declared once, in invact/_versions.py (SUPPORTED), which pyproject.toml's and the
 README's lines are checked against (tests/invact/test_versions.py); ENVIRONMENTS name its ends.
@@ -104,7 +105,8 @@ def _counts(summary: str) -> dict[str, int]:
 def run(name: str, files: list[str]) -> dict:
     torch_version, transformers_version, why = ENVIRONMENTS[name]
     python = _venv(name, torch_version, transformers_version)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    # INVACT_COMPAT: the tests of the committed table itself skip (it is being rewritten by this run)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", INVACT_COMPAT="1")
     present = [f for f in files if (ROOT / f).exists()]
     start = time.perf_counter()
     tests = subprocess.run(
@@ -157,18 +159,28 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def _markdown(rows: list[dict], machine: str, when: str, smoke: bool) -> str:
+def _commit() -> str:
+    """The checkout's commit, "+changes" where tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
+def _markdown(rows: list[dict], smoke: bool) -> str:
     head = [
         f"## The core tests at the supported range's ends ({'smoke' if smoke else 'core'} set)",
         "",
-        f'`python tests/compat.py{" --smoke" if smoke else ""}` on {machine}, {when}; `-m "not slow"`.',
+        f'`python tests/compat.py{" --smoke" if smoke else ""}`, `-m "not slow"`, '
+        "each environment's latest run:",
         "",
-        "| environment | torch, transformers | passed | failed | errors | skipped | `plan --fits 24GiB` |",
-        "|---|---|---|---|---|---|---|",
+        "| environment | torch, transformers | passed | failed | errors | skipped | `plan --fits 24GiB` "
+        "| machine, date, commit |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     body = [
         f"| {r['name']} ({r['why']}) | {r['versions']} | {r['passed']} | {r['failed']} | {r['errors']} | "
-        f"{r['skipped']} | {'runs' if r['plan_fits'] else 'fails'} |"
+        f"{r['skipped']} | {'runs' if r['plan_fits'] else 'fails'} | "
+        f"{r['machine']}, {r['date']}, {r['commit']} |"
         for r in rows
     ]
     return "\n".join(head + body) + "\n"
@@ -182,17 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the few SMOKE tests instead of the CORE files")
     args = parser.parse_args(argv)
     names = args.only or list(ENVIRONMENTS)
-    rows = [run(name, SMOKE if args.smoke else CORE) for name in names]
     machine, when = _cpu(), datetime.date.today().isoformat()
-    if not args.only:  # a partial run does not replace the committed table
+    stem = RESULTS / f"compat_cpu{'_smoke' if args.smoke else ''}"
+    # One row per environment, each with its machine and date: --only replaces its environments' rows and
+    # keeps the others' (each environment's run takes minutes; the table is their latest runs).
+    rows = {}
+    if stem.with_suffix(".json").exists():
+        rows = {r["name"]: r for r in json.loads(stem.with_suffix(".json").read_text())["rows"]}
+    for name in names:
+        rows[name] = {**run(name, SMOKE if args.smoke else CORE), "machine": machine, "date": when,
+                      "commit": _commit()}  # fmt: skip
+        ordered = [rows[n] for n in ENVIRONMENTS if n in rows]
         RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"compat_cpu{'_smoke' if args.smoke else ''}"
-        stem.with_suffix(".json").write_text(
-            json.dumps({"machine": machine, "date": when, "rows": rows}, indent=1) + "\n"
-        )
-        stem.with_suffix(".md").write_text(_markdown(rows, machine, when, args.smoke))
-    print(_markdown(rows, machine, when, args.smoke))
-    return 0 if all(r["failed"] == r["errors"] == 0 and r["plan_fits"] for r in rows) else 1
+        stem.with_suffix(".json").write_text(json.dumps({"rows": ordered}, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(_markdown(ordered, args.smoke))
+    print(_markdown(ordered, args.smoke))
+    return (
+        0 if all(rows[n]["failed"] == rows[n]["errors"] == 0 and rows[n]["plan_fits"] for n in names) else 1
+    )
 
 
 if __name__ == "__main__":

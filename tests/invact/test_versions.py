@@ -4,6 +4,8 @@ is refused at import with one line."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -95,3 +97,31 @@ def test_importing_invact_is_silent_inside_the_range():
         [sys.executable, "-W", "error", "-c", "import invact"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
+
+
+def _compat():
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import compat
+    finally:
+        sys.path.pop(0)
+    return compat
+
+
+def test_make_compat_runs_the_ranges_ends():
+    # tests/compat.py's environments reach both ends of both ranges.
+    pinned = _compat().ENVIRONMENTS.values()
+    for i, package in enumerate(("torch", "transformers")):
+        minors = {".".join(env[i].split(".")[:2]) for env in pinned}
+        assert set(SUPPORTED[package]) <= minors, (package, minors)
+
+
+@pytest.mark.skipif(bool(os.environ.get("INVACT_COMPAT")), reason="inside make compat: it rewrites the table")
+def test_the_committed_compat_table_is_its_results_and_all_pass():
+    compat = _compat()
+    result = json.loads((ROOT / "benchmarks/results/compat_cpu.json").read_text())
+    assert [r["name"] for r in result["rows"]] == list(compat.ENVIRONMENTS)
+    assert (ROOT / "benchmarks/results/compat_cpu.md").read_text() == compat._markdown(result["rows"], False)
+    for row in result["rows"]:
+        assert row["failed"] == row["errors"] == 0 and row["passed"] > 0 and row["plan_fits"], row["name"]
+        assert row["versions"].split()[0].startswith(compat.ENVIRONMENTS[row["name"]][0])
