@@ -7,7 +7,12 @@ Qwen2, Gemma 2, GPT-2 and Qwen2-MoE, 2 layers of hidden 128, 4 heads (2 key-valu
 16000: small enough that a real step takes a few tenths of a second here, with the activations most of
 the peak at the longest sequence (the eager loss's logits: 125 MiB at 1024 tokens). Gemma 2 has no SDPA
 path in transformers (eager attention, on both sides) and a sliding window of 256 on its first layer,
-so that seq 512 takes its masked path. Each at batch 2 and seq 128, 256 and 512, for every recipe
+so that seq 512 takes its masked path. The predictor was built on those five; four more check it
+beyond them: llama_tied, a Llama of hidden 32 with a tied head over a vocabulary of 32000 (1000 times
+its width: the head is most of the model, and its weight gradient meets the embedding's), Phi-3 (fused
+qkv and gate_up projections), OLMo 2 (norms after attention and the MLP, RMSNorm on queries and keys)
+and Granite (muP multipliers: the logits divided by logits_scaling, the loss's transform), the last
+three at the five's sizes. Each at batch 2 and seq 128, 256 and 512, for every recipe
 (invact.step_peak.RECIPES: bf16, mixed, lora), without and with Hugging Face's gradient checkpointing,
 eager and then after invact.patch() (applied to the same two Steps after the eager rows, as
 invact.step_peak.plan_step does).
@@ -24,10 +29,11 @@ largest running sum, plus the bytes alive before the step (parameters, buffers, 
 inputs). `end_bytes`, the running sum after the step, is 0 where the step leaves nothing behind.
 
 Two more columns for diagnosis: `dispatch_bytes`, the peak invact.step_peak.LiveBytes (the predictor's
-own counting, a dispatch mode) follows on a third, real step: where it equals predicted_bytes and
-measured_bytes is higher, the difference is allocated inside a kernel without an op (a workspace, which
-a dispatch mode cannot see), not a fault of the meta emulation; `measured_at`, the op stack around the
-measured peak (outermost first).
+own counting, a dispatch mode) follows on a third, real step, without the kernel workspaces a plan for a
+CPU adds (invact.step_peak.cpu_matmul_workspace): where it equals predicted_bytes and measured_bytes is
+higher, the difference is allocated inside a kernel without an op (a workspace, which a dispatch mode
+cannot see), not a fault of the meta emulation; where predicted_bytes is above it, the plan counted
+such a workspace at its peak; `measured_at`, the op stack around the measured peak (outermost first).
 
 Writes benchmarks/results/step_plan_cpu.json (machine: `device`, the CPU's model, its vector ISA and
 torch's thread count) and its markdown table to step_plan_cpu.md beside it; with --only and no --out,
@@ -80,6 +86,31 @@ ARCHITECTURES: dict[str, dict] = {
         "shared_expert_intermediate_size": 128,
         "num_experts": 8,
         "num_experts_per_tok": 2,
+    },
+    # A vocabulary 1000 times the hidden size, the head tied to the embedding: the loss's weight gradient
+    # (vocab x hidden) meets the embedding's in backward, and the head is most of the model
+    "llama_tied": {
+        "model_type": "llama",
+        **_DECODER,
+        "hidden_size": 32,
+        "intermediate_size": 96,
+        "vocab_size": 32000,
+        "tie_word_embeddings": True,
+    },
+    # fused projections: one qkv_proj and one gate_up_proj a layer (its default pad_token_id, 32000, is
+    # past this vocabulary)
+    "phi3": {"model_type": "phi3", **_DECODER, "pad_token_id": 0},
+    # norms after attention and the MLP (not before), and RMSNorm on the queries and keys
+    "olmo2": {"model_type": "olmo2", **_DECODER},
+    # muP multipliers: the logits divided by logits_scaling (the loss's transform), the embeddings, the
+    # residuals and the attention scores scaled
+    "granite": {
+        "model_type": "granite",
+        **_DECODER,
+        "logits_scaling": 8.0,
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0625,
     },
 }
 # The acceptance: predicted within 5% of measured, and never more than 2% below it.
@@ -288,9 +319,11 @@ def table(result: dict) -> str:
         "",
         "Ratio: predicted / measured. Phase: where the predicted peak is. LiveBytes on the real step: the "
         "predictor's own counting (a dispatch mode) on a real step: equal to predicted where the meta step "
-        "allocates as the real one; below measured by what kernels allocate inside themselves (a bf16 mm's "
-        "oneDNN buffers), above it where autograd sums two gradients of one tensor (in place in a plain "
-        "step, out of place under a dispatch mode and on meta).",
+        "allocates as the real one, less the kernel workspace the plan counts at its peak (a bf16 mm's copy "
+        "of a B at most 32 columns wide: invact.step_peak.cpu_matmul_workspace); below measured by what "
+        "kernels allocate inside themselves (a bf16 mm's oneDNN buffers), above it where autograd sums two "
+        "gradients of one tensor (in place in a plain step, out of place under a dispatch mode and on "
+        "meta).",
         "",
         "| architecture | seq | recipe | checkpointing | patched | predicted | measured | ratio | phase | "
         "LiveBytes on the real step |",

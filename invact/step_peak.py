@@ -15,7 +15,10 @@ the peak so far: a step of a 16-layer model checks a few hundred times, not at e
 Where autograd sums two gradients of one tensor it adds in place in a plain step, out of place under a
 dispatch mode: LiveBytes counts such a sum as in place (LiveBytes._summed_in_place). Storage bytes
 are the bytes a tensor asks for (an allocator rounds up: CUDA's caching allocator to
-512 bytes), and what a kernel allocates inside itself without an op (a workspace) is not seen.
+512 bytes), and what a kernel allocates inside itself without an op (a workspace) is not seen, but
+for one a plan for a CPU adds: a bf16 matmul's copy of its second operand where that operand is at
+most CPU_PACKED_N columns wide (cpu_matmul_workspace: a loss's d hidden = d logits x W of a model
+whose hidden size is that small).
 
 Recipes (RECIPES): "bf16", the model and AdamW's state in bf16; "mixed", fp32 weights and AdamW state,
 the forward under autocast to bf16 (on the meta device invact._autocast's rules for the device
@@ -111,6 +114,53 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+_MM = (torch.ops.aten.mm.default, torch.ops.aten.mm.out)
+_ADDMM = (torch.ops.aten.addmm.default, torch.ops.aten.addmm.out)
+# The widest second operand (N columns) that a bf16 matmul on CPU copies whole into each thread's
+# buffer, and the multiple its K rows are padded to there. torch sends a CPU bf16 mm/addmm to oneDNN's
+# brgemm matmul, which repacks B (K x N) into its blocked layout in a scratchpad that torch's CPU
+# allocator provides (the profiler sees it, a dispatch mode does not). Measured (torch 2.13, oneDNN
+# 3.12, 2-core Intel Xeon with AMX, 1 and 2 threads; mm and addmm alike): with A and B row-major, M from
+# 2 to 1024, K from 64 to 128256 and 2 <= N <= 32, the scratchpad is threads x roundup(K, 32) x 32 x 2
+# bytes and 5.6 to 11.6 KiB more (N = 8: 8 times B's bytes at 2 threads, 4 at one). Not planned, since
+# it is other sizes: N from 40 on (at K = 32000 a third to four fifths of B's bytes in all: K in
+# blocks), M = 1 (a GEMV), B stored transposed (a Linear's weight as x W^T: the same copy at M >= 64 and
+# K <= 32000, little or none at K >= 40000 or M <= 32) and fp16. A head of hidden size 32 and a
+# vocabulary of 32000 has d hidden = d logits x W (K = 32000, N = 32, W row-major) take 3.9 MiB at 2
+# threads, twice its bf16 weight, while the patched loss's chunk of logits and its fp32 weight-gradient
+# sum are alive: without it benchmarks/step_plan.py's patched llama_tied rows were 0.80-0.94 of the
+# measured peak (LoRA 0.80-0.84, mixed 0.93-0.94, bf16 0.90-0.91).
+CPU_PACKED_N = 32
+CPU_PACKED_K = 32
+# torch takes a 2-D bf16 matmul to oneDNN only where M x K x N is above this (ATen's
+# mkldnn/Matmul.cpp, checksize: mkldnn_gemm_min_size); below it, its own kernel, which has no scratchpad.
+MKLDNN_GEMM_MIN_SIZE = 16 * 16 * 16
+
+
+def cpu_matmul_workspace(func, args, threads: int | None = None) -> int:
+    """Bytes a CPU matmul allocates inside itself, as planned (0 where none is planned): a bf16 mm or
+    addmm of a row-major A (M x K, M >= 2) by a row-major B (K x N) with 2 <= N <= CPU_PACKED_N, which
+    torch runs with oneDNN (M x K x N above MKLDNN_GEMM_MIN_SIZE), copies B whole, K padded to
+    CPU_PACKED_K and N to CPU_PACKED_N, into a buffer for each of `threads` threads
+    (torch.get_num_threads() where None: a plan for a CPU is for the machine it runs on). Other
+    matmuls' buffers (a few hundred KiB a thread at 2 threads) are not planned."""
+    if func in _MM:
+        a, b = args[0], args[1]
+    elif func in _ADDMM:
+        a, b = args[1], args[2]
+    else:
+        return 0
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 2:
+        return 0
+    (m, k), n = a.shape, b.shape[1]
+    if not 2 <= n <= CPU_PACKED_N or m < 2 or m * k * n <= MKLDNN_GEMM_MIN_SIZE:
+        return 0
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        return 0
+    k = -(-k // CPU_PACKED_K) * CPU_PACKED_K
+    return (threads or torch.get_num_threads()) * k * CPU_PACKED_N * b.element_size()
+
+
 class LiveBytes(TorchDispatchMode):
     """Follows the live bytes of every storage an op returns while it is active, and their peak.
 
@@ -119,13 +169,18 @@ class LiveBytes(TorchDispatchMode):
     "backward", "step"). At the peak: `peak` (bytes), `at_peak` ({label: live bytes}), `peak_phase`,
     `peak_op` (the op whose outputs made it) and `peak_grads`, the bytes `grads()` gave then (the
     live gradients, allocated in backward: counted under "backward" too). `peaks`: {phase: the peak
-    while it ran}, each exact (a phase's peak below the overall one is followed too)."""
+    while it ran}, each exact (a phase's peak below the overall one is followed too).
+
+    `workspace(func, args)`: bytes an op allocates and frees inside itself (a kernel's scratch memory,
+    no op's output), alive while it runs with its outputs (cpu_matmul_workspace for a plan for a CPU):
+    a peak there counts them under the phase."""
 
     def __init__(self, known: dict[str, Iterable[torch.Tensor]] | None = None, grads=lambda: 0,
-                 outputs: MetaOutputs | None = None) -> None:  # fmt: skip
+                 outputs: MetaOutputs | None = None, workspace=None) -> None:  # fmt: skip
         super().__init__()
         self.grads = grads
         self.outputs = outputs  # a meta step's ops, called through it (invact._meta_outputs)
+        self.workspace = workspace
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (weak ref, bytes, label)
         self.by_label: dict[str, int] = {}
         self.total = 0
@@ -170,15 +225,19 @@ class LiveBytes(TorchDispatchMode):
             self._note(t)
         if summed is not None:
             self._moved(summed, out)
+        scratch = self.workspace(func, args) if self.workspace is not None else 0
         phase_peak = self.peaks.get(self.phase, 0)
-        if self.total > phase_peak:
+        if self.total + scratch > phase_peak:
             # the total counts storages freed since the last sweep: only above a peak does it matter
             self._sweep()
-            if self.total > phase_peak:
-                self.peaks[self.phase] = self.total
-            if self.total > self.peak:
-                self.peak, self.peak_op, self.peak_phase = self.total, func, self.phase
+            now = self.total + scratch
+            if now > phase_peak:
+                self.peaks[self.phase] = now
+            if now > self.peak:
+                self.peak, self.peak_op, self.peak_phase = now, func, self.phase
                 self.at_peak = dict(self.by_label)
+                if scratch:
+                    self.at_peak[self.phase] = self.at_peak.get(self.phase, 0) + scratch
                 self.peak_grads = self.grads() if self.phase != "forward" else 0
         return out
 
@@ -339,7 +398,11 @@ class Step:
             return sum({s._cdata: s.nbytes() for s in storages}.values())
 
         outputs = self._outputs if self._on_meta() else None
-        live = LiveBytes({"weights": weights, "optimizer": self._state(), "inputs": given}, grads, outputs)
+        # a plan for a CPU adds what its bf16 matmuls allocate inside themselves (a real step's ops are
+        # followed as they are: Step.follow on one counts no workspace)
+        workspace = cpu_matmul_workspace if self._on_meta() and self.device == "cpu" else None
+        live = LiveBytes({"weights": weights, "optimizer": self._state(), "inputs": given}, grads, outputs,
+                         workspace)  # fmt: skip
         try:
             meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
             autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
