@@ -81,7 +81,9 @@ def _decoders():
             INTERMEDIATE,
         ),
         # MoE experts: the down projection is a functional call inside the experts module; every
-        # token goes to TOP_K experts, each saving its rows of the product
+        # token goes to TOP_K experts, each saving its rows of the product. The third figure is g's
+        # half of the experts' fused gate_up output, in the layout transformers 5.x builds: see _ideal
+        # for 4.x's per-expert MLPs.
         "mixtral (MoE experts)": (
             lambda: MixtralModel(MixtralConfig(**common, **mixtral)),
             TOP_K * INTERMEDIATE,
@@ -100,10 +102,28 @@ def _decoders():
     }
 
 
-def _ideal(label: str) -> int:
+def _experts_layout(model: nn.Module) -> str | None:
+    """How the installed transformers built a MoE decoder's experts (as tests/invact/test_experts.py's
+    _layout tells them apart): "fused", one module of 3-D weights whose gate_up_proj output holds g and u
+    (transformers 5.x), or "per-expert", an nn.ModuleList of gated MLPs, each with a gate and an up
+    projection of its own (4.x); None for a dense decoder."""
+    found = [m for name, m in model.named_modules() if name.rpartition(".")[2] == "experts"]
+    if not found:
+        return None
+    return "per-expert" if all(isinstance(m, nn.ModuleList) for m in found) else "fused"
+
+
+def _ideal(label: str, model: nn.Module | None = None) -> int:
     """Bytes the gated path saves beyond the activation-only patch in one fp32 forward of BATCH x SEQ
-    tokens: every product, and g's half of each fused gate_up output (y moves into it, or u out)."""
-    _, products, fused = _decoders()[label]
+    tokens of `model` (one the label's builder made; built here if not given): every product, and g's
+    half of each fused gate_up output (y moves into it, or u out). Where the experts are per-expert
+    MLPs (transformers 4.x), g and u are the outputs of two nn.Linear (each expert an ordinary gated
+    MLP, which invact.mlp's fuse runs as one Function saving no product): no half of anything to free,
+    only the products, the same TOP_K rows per token. The MoE labels' fused figure is the experts'
+    alone (the shared expert has its own gate and up projections in both layouts)."""
+    make, products, fused = _decoders()[label]
+    if _experts_layout(make() if model is None else model) == "per-expert":
+        fused = 0
     return LAYERS * BATCH * SEQ * (products + fused) * 4
 
 
@@ -123,7 +143,8 @@ def test_the_down_projection_keeps_no_copy_of_the_product(label):
     plain, gated = _pair(label)
     inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
     saving = _held_bytes(plain, inputs) - _held_bytes(gated, inputs)
-    assert abs(saving - _ideal(label)) <= 0.01 * _ideal(label), (saving, _ideal(label))
+    ideal = _ideal(label, gated)
+    assert abs(saving - ideal) <= 0.01 * ideal, (saving, ideal)
 
 
 @pytest.mark.parametrize("label", list(_decoders()))
@@ -135,7 +156,7 @@ def test_plan_reports_the_hooked_modules_and_the_measured_products(label):
     assert static and all(d.gated == d.name.rpartition(".")[0] and d.gated_bytes is None for d in static)
     measured = [d for d in invact.plan(model, example_inputs=inputs, norms=False) if d.replace]
     assert [d.name for d in measured] == [d.name for d in static]
-    assert sum(d.gated_bytes for d in measured) == _ideal(label)
+    assert sum(d.gated_bytes for d in measured) == _ideal(label, model)
     assert all(d.gated == d.name.rpartition(".")[0] and "by the gated path" in d.reason for d in measured)
     invact.patch(model, example_inputs=inputs)
     hooked = [n for n, m in model.named_modules() if getattr(m, "_invact_recompute_products", False)]
@@ -161,7 +182,17 @@ def test_gradients_are_the_activation_only_patchs_bitwise(label, dtype):
 FP32_GRADIENT_REL = 3.3e-4
 # bf16: q's error is ~1000x below bf16's rounding (2^-9 relative), so InvAct moves a bf16 gradient
 # only where that error crosses a rounding boundary: its distance from the fp32 gradient is torch's
-# own bf16 distance, measured 0.997x to 1.003x over these families and three seeds.
+# own bf16 distance, measured 0.997x to 1.0034x (Phi-3) over these families and seeds 0-2 on
+# transformers 5.24 (torch 2.13), to 1.0074x (Mixtral's per-expert MLPs, seed 1) on 4.57 (torch 2.11);
+# the three MoE families over seeds 0-9, 0.997x to 1.005x on 5.24 and to 1.0074x on 4.57.
+# Both bounds are the activation's and the gated path's: the test patches with norms=False. The
+# inverted norms (patch()'s default since this test was written) have bounds of their own
+# (tests/invact/test_norm.py, test_norm_patch.py): the final norm's bf16 dx is rounded once from fp32
+# (0.39x to 0.72x torch's distance from the fp32 dx, Qwen3-MoE on 4.57, seeds 0-5), in another place
+# than torch's in nearly every element, so every gradient below it carries another draw of bf16's
+# error: with the norms patched these ratios spread from 0.35x to 1.17x over seeds 0-9 (Qwen3-MoE:
+# 1.07x at seed 0 and 1.17x at seed 5 on 4.57, 1.08x at seed 9 on 5.24; the final norm alone gives
+# the same), a bound on the norms' rounding, not on q.
 BF16_DISTANCE_RATIO = 1.05
 
 
@@ -181,7 +212,7 @@ def test_gradients_against_torchs_within_the_familys_bound(label, dtype):
         m = make().train()
         m.load_state_dict(reference.state_dict())
         if patched:
-            invact.patch(m)
+            invact.patch(m, norms=False)  # the bounds above are q's: see there
         return m.to(dtype)
 
     want = gradient(reference)
@@ -463,6 +494,10 @@ def test_a_fused_gate_up_gains_only_with_the_gated_path(label):
     # and adds its bits; the gated path's product pays for them
     torch.manual_seed(0)
     model = _decoders()[label][0]().train()
+    if _experts_layout(model) == "per-expert":
+        pytest.skip(f"transformers {transformers.__version__} builds {label}'s experts as an nn.ModuleList "
+                    "of per-expert MLPs, each with gate and up projections of its own: no fused gate_up "
+                    "(tests/invact/test_experts.py checks that layout)")  # fmt: skip
     inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
     alone = invact.plan(model, example_inputs=inputs, gated=False, norms=False)  # one SiLU per layer
     assert len(alone) == LAYERS and not any(d.replace for d in alone)
