@@ -63,3 +63,24 @@ def test_the_faq_exactness_claim_is_the_coverage_runs():
     said = f"of {len(rows)} model types patched small on CPU, outputs were bitwise on {bitwise} and the other"
     assert f"{said} {len(rows) - bitwise} within {worst}" in faq
     assert f"outputs bitwise on {bitwise}**, the other {len(rows) - bitwise} within {worst}" in coverage
+
+
+def _readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+@pytest.mark.slow
+def test_the_readmes_first_example_measures_what_it_says(capsys):
+    """The README's first two snippets run as shown (BERT-base from a config, dropout 0, seq 1024): the
+    saving they print is the memory table's BERT-base row, and the comment's figures are what they
+    print."""
+    plan, patch = _readme_python_blocks()[:2]
+    scope: dict = {}
+    exec(compile(plan + patch, "README.md", "exec"), scope)  # noqa: S102 - the repository's own README
+    change = f"{100 * (scope['after'].saved_bytes / scope['before'].saved_bytes - 1):.1f}%"
+    readme = (ROOT / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| BERT-base | seq 1024 |")]
+    assert row.split(" | ")[3] == change  # the table's invact column
+    mib = [f"{r.saved_bytes / 2**20:.1f} MiB" for r in (scope["before"], scope["after"])]
+    assert f"# saved for backward: {mib[0]} -> {mib[1]} ({change}, the table's BERT row)" in patch
+    assert capsys.readouterr().out.splitlines()[-2:] == [str(scope["before"]), str(scope["after"])]
