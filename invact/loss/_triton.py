@@ -23,10 +23,7 @@ import triton
 import triton.language as tl
 
 from invact._triton_build import build
-
-# The transform as the kernel takes it (one scalar step, a tanh, one scalar step): invact.loss.op.plan,
-# which needs no triton (a meta step planned for CUDA reads it on a machine without one).
-from invact.loss.op import DIV, MUL, NONE, plan  # noqa: F401 - plan: read here by tests
+from invact.loss.kernel_plan import DIV, MUL, NONE, plan  # noqa: F401 - plan: read here by tests
 
 
 @triton.jit

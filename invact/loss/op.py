@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from invact._meta import stands_for
 from invact.activation.ops import backend_for, direct_backward
+from invact.loss.kernel_plan import plan
 from invact.memory import EARLY_GRADIENT
 
 log = logging.getLogger("invact")
@@ -126,31 +127,6 @@ def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
             if keep:
                 tanhs.append(z.clone())
     return z, scale, tanhs
-
-
-# The scalar steps of invact.loss._triton's kernel (plan's codes)
-NONE, MUL, DIV = 0, 1, 2
-
-
-def plan(ops: tuple) -> tuple[int, float, bool, int, float] | None:
-    """ops (invact.loss's transform) as invact.loss._triton's kernel takes them: (pre-op, its value,
-    tanh, post-op, its value), or None where they are not one scalar step, a tanh and one scalar step
-    (each optional)."""
-    pre, tanh, post = (NONE, 1.0), False, (NONE, 1.0)
-    for op in ops:
-        if op[0] == "tanh":
-            if tanh or post[0] != NONE:
-                return None
-            tanh = True
-        else:
-            kind = MUL if op[0] == "mul" else DIV
-            if not tanh and pre[0] == NONE:
-                pre = (kind, float(op[1]))
-            elif tanh and post[0] == NONE:
-                post = (kind, float(op[1]))
-            else:
-                return None
-    return pre[0], pre[1], tanh, post[0], post[1]
 
 
 def _kernels(t: torch.Tensor, ops: tuple) -> bool:
