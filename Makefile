@@ -34,7 +34,8 @@ test: $(BIN)/.installed  ## lint, then the whole test suite (everything that run
 
 # The core tests (patch, plan, loss, norm, MLP, compile, CLI) at the ends of the supported torch and
 # transformers range (invact/_versions.py), each in a venv of its own under .compat/ (kept: installing
-# torch takes minutes; the first run downloads three torch builds, about 10 GB). Writes
+# torch takes minutes; the first run downloads torch 2.11 and 2.15 with their CUDA libraries and
+# installs three venvs of 5-6 GB each). Writes
 # benchmarks/results/compat_cpu.json and .md. `make compat ONLY=newest` runs one environment.
 compat: $(BIN)/.installed  ## the core tests at the supported range's ends (throwaway venvs in .compat/)
 	$(BIN)/python tests/compat.py $(if $(ONLY),--only $(ONLY))
