@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS | KIND_VARIANTS), metavar="VARIANT",
                         help="these variants only (of --kinds' and the default's; written without the "
                         "markdown table where eager or patch() is not among them)")  # fmt: skip
+    dtypes = ["float32", "bfloat16"]
+    parser.add_argument("--dtypes", nargs="+", choices=dtypes, default=dtypes, help="dtypes (default both)")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
         + (["--small"] if args.small else [])
         + (["--compile"] if args.compile else [])
     )
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.dtypes:
         row = {"dtype": dtype, "variants": {}}
         for variant in args.variants or (KIND_VARIANTS if args.kinds else VARIANTS):
             command = [sys.executable, __file__, "--child", variant, dtype, "--steps", str(args.steps)]

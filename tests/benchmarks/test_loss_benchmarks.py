@@ -200,3 +200,14 @@ def test_the_norm_beside_the_loss_under_compile_is_the_result():
         changes.append(f"{abs(change):.1%}" if abs(change) < 5e-4 else f"{change:+.1%}".replace("+", ""))
     text = " ".join((ROOT / "docs" / "patching.md").read_text().split())
     assert f"both compiled, is {changes[0]} (fp32) and {changes[1]} (bf16)" in text
+
+
+def test_the_bf16_compiled_rerun_quoted_is_the_result():
+    """docs/patching.md quotes step_peak.py --variants eager "patch()" --dtypes bfloat16 --steps 15."""
+    result = json.loads((RESULTS / "step_peak_cpu_wide_compiled_bf16_timed.json").read_text())
+    (row,) = result["rows"]
+    v = row["variants"]
+    spans = [f"{min(v[k]['step_ms']):.0f}-{max(v[k]['step_ms']):.0f} ms" for k in ("patch()", "eager")]
+    text = " ".join((ROOT / "docs" / "patching.md").read_text().split())
+    ratio = v["patch()"]["ms"] / v["eager"]["ms"]
+    assert f"read {ratio:.3f}x of the median (steps of {spans[0]} against {spans[1]})" in text
