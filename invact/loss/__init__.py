@@ -67,8 +67,8 @@ log = logging.getLogger("invact")
 
 # PendingLogits' own fields, and tensor attributes that code walking an output probes for (a sparse
 # tensor's values, indices): never forwarded to the computed logits
-_NOT_FORWARDED = frozenset({"hidden", "weight", "bias", "added", "ops", "values", "indices", "crow_indices",
-                            "col_indices", "row_indices", "ccol_indices"})  # fmt: skip
+_NOT_FORWARDED = frozenset({"hidden", "weight", "bias", "added", "ops", "module", "values", "indices",
+                            "crow_indices", "col_indices", "row_indices", "ccol_indices"})  # fmt: skip
 
 # Tensor methods that hook the graph the logits are on, which the loss does not go through: on logits
 # computed on demand they would never see its gradient
@@ -107,6 +107,58 @@ def _autocast_as(kind: str, cast):
         return contextlib.nullcontext()
 
 
+def _freed(weight: torch.Tensor) -> bool:
+    """Whether `weight` has elements but no storage: FSDP2 resharded its module (freed the all-gathered
+    parameter it registered in the module's forward and registered the shard again). False under
+    torch.compile (Dynamo does not trace storages), where FSDP2 wraps compiled layers, not the head."""
+    if torch.compiler.is_compiling():
+        return False
+    return weight.numel() > 0 and weight.untyped_storage().nbytes() == 0
+
+
+def _alone(module) -> bool:
+    """Whether `module` is the only module of its FSDP2 unit (`fully_shard(model.lm_head)`), not one of a
+    group (`fully_shard([model.model.norm, model.lm_head])`). FSDP2 gathers a unit again for its
+    backward when a gradient reaches the outputs of its modules, which the loss does not use: a group's
+    other modules (the norm) need their weights gathered in their backward, so the loss leaves them
+    gathered, for FSDP2's post-backward to free. Read from FSDP2's state (private; False, the safe
+    answer, where it is not as torch 2.11-2.15 have it)."""
+    try:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        groups = groups if groups is not None else [state._fsdp_param_group]
+        return all(len(group.modules) == 1 for group in groups if group is not None)
+    except (AttributeError, TypeError):
+        return False
+
+
+def _shards(module) -> tuple:
+    """The version counters of the shards `module`'s parameters are now (FSDP2's DTensors, between its
+    forwards), () where none is: what an optimizer's step changes under FSDP2."""
+    return tuple(p._local_tensor._version for p in module._parameters.values() if hasattr(p, "_local_tensor"))
+
+
+@contextlib.contextmanager
+def _gathered(module, weight: torch.Tensor):
+    """`weight` (the head's, as its forward saw it) with its values while the block runs: where FSDP2
+    shards the head as a unit of its own (`fully_shard(model.lm_head)`, as torchtitan does), its forward
+    hook freed the all-gathered weight when the head returned, before the loss (or a read of the logits)
+    uses it; this all-gathers it again into the same parameter (`module.unshard()`, a collective: every
+    rank computes its loss, as in any training step) and frees it after (`module.reshard()`) where the
+    head is a unit alone (_alone). The gradient the loss computes reaches that parameter, which FSDP2's
+    post-backward reduce-scatters. A no-op elsewhere (a weight with its storage: unsharded, in a root
+    unit, DDP, one device)."""
+    if module is None or not _freed(weight) or not hasattr(module, "unshard"):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        if _alone(module):
+            module.reshard()
+
+
 def _refuse(what: str, *args, **kwargs):
     """Raise for a use of PendingLogits that would act on a computed copy of the logits (an in-place
     op: the output's logits would stay as they were) or on a graph the loss does not go through."""
@@ -140,8 +192,12 @@ class PendingLogits:
     # numpy defers its binary operators with an array to ours, as with a tensor (torch.Tensor's value)
     __array_priority__ = 1000
 
-    def __init__(self, hidden, weight, bias, ops=(), call=None):
+    def __init__(self, hidden, weight, bias, ops=(), call=None, module=None):
         self.hidden, self.weight, self.bias, self.ops, self.added = hidden, weight, bias, ops, None
+        # the head (LossHead), for FSDP2's all-gather of a weight it sharded again (_gathered), and the
+        # versions of its shards when the head's weight was last gathered: an optimizer's step under
+        # FSDP2 changes the shards, not the gathered weight (_changed)
+        self.module, self._shards = module, None
         # the version counters and autocast when the call's loss read the head (HeadLoss's `call`),
         # else now: at the head's call, before the model's loss
         self._versions, self._autocast = call if call is not None else _call(hidden, weight, bias)
@@ -171,6 +227,12 @@ class PendingLogits:
         """What the logits are computed from that changed in place since the call's loss read it (in
         _SOURCES' words), or None."""
         now = _version_counters(self.weight, self.bias, self.added, self.hidden)
+        if self.module is not None and _freed(self.weight):  # FSDP2 sharded the head again
+            shards = _shards(self.module)
+            if self._shards is None:
+                self._shards = shards
+            elif shards != self._shards:
+                return _SOURCES[0]
         if now == self._versions:
             return None
         return next(what for what, a, b in zip(_SOURCES, now, self._versions, strict=True) if a != b)
@@ -192,7 +254,7 @@ class PendingLogits:
         log.info("invact: a patched head's logits were used by something other than the loss: computed")
         # under the call's autocast, not the read's: eager's head and steps ran under it (bf16 logits of
         # fp32 weights where it was on; fp32 where it was off, even when read in an autocast region)
-        with _autocast_as(*self._autocast):
+        with _autocast_as(*self._autocast), _gathered(self.module, self.weight):
             z = F.linear(self.hidden, self.weight, self.bias)
             # BART's `+ final_logits_bias` after the head's own bias, as eager adds it: folded into the
             # head's bias (the loss's way) the sums would round differently
@@ -369,9 +431,10 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     if input.added is not None:  # BART's final_logits_bias, folded into the head's
         added = input.added.reshape(-1).to(hidden.dtype)
         bias = added if bias is None else bias + added
-    return linear_cross_entropy(hidden, input.weight, target, bias, ops=input.ops,
-                                ignore_index=ignore_index, reduction=reduction,
-                                label_smoothing=label_smoothing)  # fmt: skip
+    with _gathered(input.module, input.weight):
+        return linear_cross_entropy(hidden, input.weight, target, bias, ops=input.ops,
+                                    ignore_index=ignore_index, reduction=reduction,
+                                    label_smoothing=label_smoothing)  # fmt: skip
 
 
 _GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
@@ -406,7 +469,7 @@ class LossHead(nn.Module):
                 _keep(self, "_invact_standin", standin, compiling)  # _disarm takes it out of the output
                 return standin
             if not compiling:
-                return PendingLogits(input, self.weight, self.bias)
+                return PendingLogits(input, self.weight, self.bias, module=self)
         return super().forward(input)
 
     def invact_repr(self) -> str:
@@ -447,8 +510,9 @@ class HeadLoss:
             call = _call(hidden, parameters["weight"], parameters.get("bias"))
             _keep(head, "_invact_output", (hidden, ops, call), compiling)
         hidden, target = _as_rows(hidden, shift_labels)
-        loss = _loss(hidden, parameters["weight"], parameters.get("bias"), target, ops, ignore_index, 0.0,
-                     num_items_in_batch is None, compiling)  # fmt: skip
+        with _gathered(head, parameters["weight"]):
+            loss = _loss(hidden, parameters["weight"], parameters.get("bias"), target, ops, ignore_index, 0.0,
+                         num_items_in_batch is None, compiling)  # fmt: skip
         if num_items_in_batch is not None:  # reduction "sum", over the batch's count
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -527,7 +591,7 @@ def _disarm(model, args, kwargs, output):
     # eager: the logits on demand (HeadLoss kept the head's input and the transform); under compile
     # None (a compiled graph returns tensors)
     kept = _take(head, "_invact_output", compiling)
-    logits = None if kept is None else PendingLogits(kept[0], head.weight, head.bias, kept[1], kept[2])
+    logits = None if kept is None else PendingLogits(kept[0], head.weight, head.bias, kept[1], kept[2], head)
     if isinstance(output, tuple):
         return tuple(logits if v is standin else v for v in output)
     if getattr(output, "logits", None) is standin:
