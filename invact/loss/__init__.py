@@ -135,7 +135,8 @@ def _alone(module) -> bool:
 def _shards(module) -> tuple:
     """The version counters of the shards `module`'s parameters are now (FSDP2's DTensors, between its
     forwards), () where none is: what an optimizer's step changes under FSDP2."""
-    return tuple(p._local_tensor._version for p in module._parameters.values() if hasattr(p, "_local_tensor"))
+    # the DTensor's own counter: an in-place op on it (AdamW's foreach ops) bumps it, not its local tensor's
+    return tuple(p._version for p in module._parameters.values() if hasattr(p, "_local_tensor"))
 
 
 @contextlib.contextmanager
@@ -194,10 +195,10 @@ class PendingLogits:
 
     def __init__(self, hidden, weight, bias, ops=(), call=None, module=None):
         self.hidden, self.weight, self.bias, self.ops, self.added = hidden, weight, bias, ops, None
-        # the head (LossHead), for FSDP2's all-gather of a weight it sharded again (_gathered), and the
-        # versions of its shards when the head's weight was last gathered: an optimizer's step under
-        # FSDP2 changes the shards, not the gathered weight (_changed)
-        self.module, self._shards = module, None
+        # the head (LossHead), for FSDP2's all-gather of a weight it sharded again (_gathered), and, shared
+        # by the copies the model's steps make, the versions of its shards when the loss gathered it: an
+        # optimizer's step under FSDP2 changes the shards, not the gathered weight (_unavailable)
+        self.module, self._fsdp = module, {}
         # the version counters and autocast when the call's loss read the head (HeadLoss's `call`),
         # else now: at the head's call, before the model's loss
         self._versions, self._autocast = call if call is not None else _call(hidden, weight, bias)
@@ -227,15 +228,24 @@ class PendingLogits:
         """What the logits are computed from that changed in place since the call's loss read it (in
         _SOURCES' words), or None."""
         now = _version_counters(self.weight, self.bias, self.added, self.hidden)
-        if self.module is not None and _freed(self.weight):  # FSDP2 sharded the head again
-            shards = _shards(self.module)
-            if self._shards is None:
-                self._shards = shards
-            elif shards != self._shards:
-                return _SOURCES[0]
         if now == self._versions:
             return None
         return next(what for what, a, b in zip(_SOURCES, now, self._versions, strict=True) if a != b)
+
+    def _unavailable(self) -> str | None:
+        """Where FSDP2 has freed the head's gathered weight since the call (its post-backward, or the
+        head's own unit after its forward): what keeps the logits from being computed from it, or None.
+        They are computed where the head is a unit of its own (it gathers again: _gathered) whose shards
+        are as the loss found them; after backward the root's (which holds the head in most wrappings)
+        cannot be gathered alone, and after an optimizer's step the shards are not the call's."""
+        if self.module is None or not _freed(self.weight):
+            return None
+        shards = self._fsdp.get("shards")
+        if shards is None or not hasattr(self.module, "unshard"):
+            return "FSDP2 freed the head's gathered weight (its post-backward)"
+        if _shards(self.module) != shards:
+            return "an optimizer's step changed the head's shards (FSDP2)"
+        return None
 
     def _records(self) -> bool:
         """Whether an elementwise step is recorded: before a cast only (`.float()` of 16-bit logits).
@@ -246,6 +256,11 @@ class PendingLogits:
     def logits(self) -> torch.Tensor:
         """The logits as the model would have computed them (on the autograd graph): the same ops on the
         same tensors in the same order, so bit for bit eager's."""
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            raise RuntimeError(f"invact: outputs.logits was read after {unavailable}: it is computed "
+                               f"from the head when read, so read it before loss.backward(), or use "
+                               f"{_FIX}")  # fmt: skip
         changed = self._changed()
         if changed is not None:
             raise RuntimeError(f"invact: outputs.logits was read after the {changed} changed in place "
@@ -431,6 +446,8 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     if input.added is not None:  # BART's final_logits_bias, folded into the head's
         added = input.added.reshape(-1).to(hidden.dtype)
         bias = added if bias is None else bias + added
+    if input.module is not None and _freed(input.weight):  # FSDP2's shards as the loss gathers them
+        input._fsdp.setdefault("shards", _shards(input.module))
     with _gathered(input.module, input.weight):
         return linear_cross_entropy(hidden, input.weight, target, bias, ops=input.ops,
                                     ignore_index=ignore_index, reduction=reduction,

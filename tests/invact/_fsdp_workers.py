@@ -202,6 +202,9 @@ def _train(case: str, rank: int, patched: bool) -> dict:
     optimizer = None if engine else torch.optim.AdamW(model.parameters(), lr=LR)
     ids = rank_batch(rank)
     run = {"losses": [], "grads": [], "peak": None, "max_logit": [], "patched": names}
+    if engine is None:
+        run["probe"] = _probe(wrapped, model, ids)
+        calls.clear()  # step 1's layer forwards are counted
     for step in range(STEPS):
         measure = step == 0 and case != "compiled"
         known = [local(t) for t in (*model.parameters(), *model.buffers())]
@@ -244,6 +247,32 @@ def _train(case: str, rank: int, patched: bool) -> dict:
     if case == "compiled":
         run["ops"], run["traced"] = sorted(ops), sorted(traced)
     return run
+
+
+def _read(logits) -> dict:
+    """{"sum", "max"} of the logits (a patched model's computed when read), or {"error": its one line}."""
+    try:
+        values = logits.detach().float()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"sum": values.sum().item(), "max": values.abs().max().item()}
+
+
+def _probe(wrapped, model, ids) -> dict:
+    """A forward with labels whose logits are read before its backward (of the loss times 0: no
+    gradient), after it, and after every parameter is added 0 in place (what an optimizer's step does to
+    the version counters, without changing a value), before any step: {"before", "after", "updated"},
+    each _read's."""
+    out = wrapped(input_ids=ids, labels=ids)
+    logits = out.logits
+    before = _read(logits)
+    (out.loss * 0).backward()
+    model.zero_grad(set_to_none=True)
+    after = _read(logits)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0)
+    return {"before": before, "after": after, "updated": _read(logits)}
 
 
 def run_case(case: str, rank: int) -> dict:

@@ -250,6 +250,44 @@ def test_first_step_loss(fsdp_results, case):
         assert abs(got - want) <= bound, (got, want, bound)
 
 
+# The cases whose head is an FSDP2 unit of its own or with the final norm: a patched model's logits
+# are read by gathering its weight again (invact.loss._gathered) while its shards are as the loss found
+# them. In the others the root holds the head, or DDP its whole weight.
+HEAD_UNITS = ("head_unit", "norm_head_unit")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "deepspeed_zero3"])
+def test_logits_are_right_or_refused(fsdp_results, case):
+    """outputs.logits of a patched model under the wrapping (computed when read): eager's logits (equal
+    sums and maxima: the same F.linear of the same hidden states) or a one-line refusal, never other
+    values. Before backward: eager's. After it: eager's where the head's weight can be had as it was (DDP
+    keeps it; a head unit gathers it again), refused where FSDP2's root freed it. After the parameters
+    change in place (an optimizer's step): refused."""
+    for r in _runs(fsdp_results, case):
+        got, want = r["patched"]["probe"], r["unpatched"]["probe"]
+        assert "error" not in want["before"] and want["after"] == want["updated"] == want["before"]
+        assert got["before"] == want["before"]
+        freed = "invact: outputs.logits was read after FSDP2 freed the head's gathered weight"
+        if case in HEAD_UNITS or case == "ddp":
+            assert got["after"] == want["before"]
+        else:
+            assert got["after"].get("error", "").startswith(freed), got["after"]
+        updated = got["updated"].get("error", "")
+        # DDP's weight, and the [norm, head] unit's (left gathered after a read: the norm's backward
+        # needs it), changed in place; the head unit's shards changed (FSDP2 freed it after the read)
+        if case in ("ddp", "norm_head_unit"):
+            assert updated.startswith(
+                "invact: outputs.logits was read after the head's weight changed in place"
+            )
+        elif case == "head_unit":
+            assert updated.startswith("invact: outputs.logits was read after an optimizer's step changed"), (
+                updated
+            )
+        else:
+            assert updated.startswith(freed), updated
+        assert "\n" not in updated
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_second_step_loss(fsdp_results, case):
     """Both runs train (the global loss falls), and step 2's global loss (the mean over the ranks, whose
