@@ -42,7 +42,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 # The options that take a value: a value that looks negative ("--fits -5GiB") is taken as theirs and
 # refused by their check with the reason, not by argparse as a missing value.
-_VALUED = ("--batch", "--seq", "--dtype", "--images", "--image-size", "--fits", "--rank")
+_VALUED = ("--batch", "--seq", "--dtype", "--images", "--image-size", "--fits", "--rank", "--gpus")
 
 _SUMMARY = (
     "what training a Hugging Face model saves for backward, eager and after invact.patch(), from its "
@@ -55,6 +55,7 @@ examples:
   invact plan config.json --batch 1 --seq 4096     what one training forward saves, eager and patched
   invact plan config.json --fits 24GiB             how long a sequence fits in 24 GiB (at batch 1)
   invact plan config.json --fits 80GiB --seq 4096  how large a batch of 4096 tokens fits in 80 GiB
+  invact plan config.json --fits 80GiB --gpus 8 --fsdp   the same per GPU of 8 with FSDP2
   invact plan --help                               every option, and what the figures are"""
 
 _PLAN_DESCRIPTION = """\
@@ -128,6 +129,14 @@ even the smallest fits. The output's second line says which it searched. Give --
 may allocate: a GPU's memory less the CUDA context (about 0.5 GiB) and what else runs on it.
 Checked against real CPU steps: benchmarks/step_plan.py.
 
+Several GPUs (--gpus N --fsdp): the peak on each of N GPUs training with FSDP2 (fully_shard on each
+decoder layer, then the root; parameters resharded after each layer's forward, the root's kept until
+the end of backward): each parameter's shard (ceil(rows / N) of its rows), its gradient's and AdamW
+state's, the parameters FSDP2 gathers (the root's, a layer's, the next layer's prefetched in backward)
+and its all-gather and reduce-scatter buffers (--explain's "FSDP2" term), at --batch x --seq per GPU;
+--fits answers the longest sequence per GPU. Checked against real FSDP2 steps over gloo on a CPU:
+benchmarks/fsdp_plan.py. Other engines (DDP, DeepSpeed) and wrappings are not planned.
+
 A --seq past the config's max_position_embeddings (or n_positions) is planned as given, with one
 warning line on stderr: the model has no positions there.
 
@@ -135,8 +144,8 @@ Exit status: 0, or 2 with one line on stderr for bad input: no such file, invali
 without a model_type or that transformers cannot build, a model whose forward cannot run on the meta
 device, a non-positive batch or seq, an unknown dtype, --fits that is not a positive size, --fits
 with both --batch and --seq, --images for a model without a vision tower, images whose tokens do not
-fit in seq, an image size the tower does not take. The file is checked first, and all but the last
-few before torch and transformers load."""
+fit in seq, an image size the tower does not take, --gpus without --fsdp or --fsdp without --gpus.
+The file is checked first, and all but the last few before torch and transformers load."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -312,6 +321,20 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the LoRA rank (default {_DEFAULT_RANK})",
     )
     step.add_argument(
+        "--gpus",
+        type=_positive,
+        metavar="N",
+        help="with --fsdp: plan each of N GPUs that train the model with FSDP2, per GPU: its shard of the "
+        "weights, gradients and AdamW state, the parameters it gathers and its own --batch x --seq "
+        "(--batch is per GPU; with --fits, the longest sequence per GPU)",
+    )
+    step.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --gpus: FSDP2 as torchtitan, accelerate and TRL wrap a model (fully_shard on each "
+        "decoder layer, then the root; parameters resharded after each layer's forward)",
+    )
+    step.add_argument(
         "--device",
         choices=list(_DEVICES),
         default="cuda",
@@ -466,7 +489,12 @@ def _check_config(path: str) -> None:
 def _check_arguments(args) -> None:
     """What the arguments ask, checked before anything loads (after the config file): each refusal one
     line, exit status 2."""
-    if not (args.fits is not None or args.step or args.explain):
+    if args.fsdp and args.gpus is None:
+        _fail(PROG, "--fsdp plans FSDP2 over several GPUs: give --gpus N")
+    if args.gpus is not None and not args.fsdp:
+        _fail(PROG, "--gpus N plans FSDP2's sharding: add --fsdp (other engines, DDP and DeepSpeed, are not "
+                    "planned per GPU)")  # fmt: skip
+    if not (args.fits is not None or args.step or args.explain or args.gpus):
         for name in ("batch", "seq"):
             if getattr(args, name) is None:
                 _fail(PROG, f"the following argument is required: --{name} (or --fits)")
@@ -474,9 +502,9 @@ def _check_arguments(args) -> None:
             _fail(PROG, f"unknown dtype {args.dtype!r} (choose from {', '.join(_DTYPES)})")
         return
     if args.dtype.lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
-        _fail(PROG, "--step, --explain and --fits plan bf16 recipes: leave --dtype at bfloat16")
+        _fail(PROG, "--step, --explain, --fits and --gpus plan bf16 recipes: leave --dtype at bfloat16")
     if args.fits is None and (args.batch is None or args.seq is None):
-        _fail(PROG, "--step and --explain need --batch and --seq (or --fits)")
+        _fail(PROG, "--step, --explain and --gpus need --batch and --seq (or --fits)")
     if args.fits is not None and args.batch is not None and args.seq is not None:
         _fail(PROG, "--fits searches the longest sequence at --batch or the largest batch at --seq: give one "
                     "of them, not both (--step plans the peak at --batch and --seq)")  # fmt: skip
@@ -526,7 +554,7 @@ def _plan(args) -> int:
     from invact.planner import PlanError, plan_memory
 
     _warn_past_positions(args.config, args.seq)
-    if args.fits is not None or args.step or args.explain:
+    if args.fits is not None or args.step or args.explain or args.gpus:
         return _plan_step(args)
     try:
         result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
@@ -549,7 +577,7 @@ def _plan_step(args) -> int:
     try:
         result = plan_step(args.config, args.batch, args.seq, recipes=recipes,
                            rank=args.rank, fits=args.fits, device=args.device, images=args.images,
-                           image_size=args.image_size)  # fmt: skip
+                           image_size=args.image_size, ranks=args.gpus)  # fmt: skip
     except PlanError as e:
         _fail(PROG, str(e))
     print(json.dumps(result, indent=2) if args.json else format_step(result, explain=args.explain))
@@ -571,6 +599,13 @@ def format_step(result: dict, explain: bool = False) -> str:
     searched = result["searched"]
     source = result["config"] or "a config"
     lines = [f"invact plan: {result['model_class']} from {source}"]
+    ranks = result.get("ranks")
+    if ranks:
+        lines += textwrap.wrap(
+            f"per GPU of {ranks} training with FSDP2 (fully_shard on each decoder layer, then the root), "
+            "each with the batch and sequence below",
+            width=100,
+        )
     if searched == "seq":
         lines.append(
             f"the longest sequence (a multiple of {_SEQ_MULTIPLE}, at most {result['cap']}) at batch "

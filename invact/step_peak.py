@@ -57,8 +57,10 @@ from invact.planner import (
     load_config,
     training_inputs,
 )
+from invact.sharding import Sharding
 
 _ADD = torch.ops.aten.add.Tensor
+_PLAIN = (torch.Tensor, nn.Parameter)
 _expired = torch.UntypedStorage._expired
 _free = torch.UntypedStorage._free_weak_ref
 
@@ -107,6 +109,7 @@ TERMS: dict[str, str] = {
     "forward": "forward: what the forward allocated and is still live (saved for backward, the loss)",
     "backward": "backward: what backward allocated and is still live (gradients of activations)",
     "step": "optimizer step: AdamW's temporaries (foreach: one per parameter at once)",
+    "sharding": "FSDP2: gathered parameters (the root's, a layer's), all-gather and reduce-scatter buffers",
 }
 
 
@@ -176,7 +179,8 @@ class LiveBytes(TorchDispatchMode):
     a peak there counts them under the phase."""
 
     def __init__(self, known: dict[str, Iterable[torch.Tensor]] | None = None, grads=lambda: 0,
-                 outputs: MetaOutputs | None = None, workspace=None) -> None:  # fmt: skip
+                 outputs: MetaOutputs | None = None, workspace=None,
+                 uncounted: Iterable[torch.Tensor] = ()) -> None:  # fmt: skip
         super().__init__()
         self.grads = grads
         self.outputs = outputs  # a meta step's ops, called through it (invact._meta_outputs)
@@ -184,6 +188,11 @@ class LiveBytes(TorchDispatchMode):
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (weak ref, bytes, label)
         self.by_label: dict[str, int] = {}
         self.total = 0
+        # storages never counted, whatever op returns them (views of them included): under FSDP2's plan
+        # the model's full parameters, whose bytes invact.sharding's buffers stand for
+        for t in uncounted:
+            storage = t.untyped_storage()
+            self.live.setdefault(storage._cdata, (storage._weak_ref(), 0, "uncounted"))
         for label, tensors in (known or {}).items():
             self.phase = label
             for t in tensors:
@@ -218,6 +227,10 @@ class LiveBytes(TorchDispatchMode):
                 self._drop(key, entry)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t not in _PLAIN for t in types):
+            # a tensor subclass (FSDP2's DTensor parameters, gradients and optimizer state): its own
+            # dispatch runs the op on its plain local tensors, which come back here
+            return NotImplemented
         summed = self._summed_in_place(func, args, kwargs) if self.phase == "backward" else None
         kwargs = kwargs or {}
         out = func(*args, **kwargs) if self.outputs is None else self.outputs(func, args, kwargs)
@@ -327,7 +340,7 @@ class Step:
 
     def __init__(self, config, recipe: str | Recipe = "bf16", *, rank: int = DEFAULT_RANK,
                  model: nn.Module | None = None, images: int | None = None, image_size: int | None = None,
-                 device: str = "cuda") -> None:  # fmt: skip
+                 device: str = "cuda", ranks: int | None = None) -> None:  # fmt: skip
         if device not in DEVICES:
             raise PlanError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
         self.device = device
@@ -347,9 +360,12 @@ class Step:
         self.model.train()
         self.images, self.image_size = images, image_size
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # FSDP2 over `ranks` ranks (invact.sharding): the optimizer steps on each rank's shards
+        self.sharding = Sharding(self.model, ranks) if ranks is not None else None
+        self.stepped = self.sharding.trainable if self.sharding is not None else self.trainable
         # foreach: the default on CUDA (torch.optim's _default_to_fused_or_foreach), not on CPU or meta
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=1e-5, foreach=True)
-        for p in self.trainable:  # the state AdamW creates in its first step
+        self.optimizer = torch.optim.AdamW(self.stepped, lr=1e-5, foreach=True)
+        for p in self.stepped:  # the state AdamW creates in its first step
             p.grad = torch.zeros_like(p)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -389,20 +405,26 @@ class Step:
     def follow(self, inputs: dict) -> LiveBytes:
         """One training step on `inputs` (as run()) under a LiveBytes, on the meta device under the
         planner's modes (and autocast's, for a mixed recipe): the LiveBytes, closed, with its peak."""
-        weights = [*self.model.parameters(), *self.model.buffers()]
+        sharding = self.sharding
+        params = sharding.tensors() if sharding is not None else self.model.parameters()
+        weights = [*params, *self.model.buffers()]
         given = [t for t in _output_tensors(inputs) if not t.is_cpu or not self._on_meta()]
-        trainable = self.trainable
+        # the gradients: the parameters' (under FSDP2 the unsharded ones, until reduced) and the shards'
+        with_grads = self.trainable if sharding is None else [*self.trainable, *self.stepped]
 
         def grads() -> int:
-            storages = [p.grad.untyped_storage() for p in trainable if p.grad is not None]
+            storages = [p.grad.untyped_storage() for p in with_grads if p.grad is not None]
             return sum({s._cdata: s.nbytes() for s in storages}.values())
 
         outputs = self._outputs if self._on_meta() else None
         # a plan for a CPU adds what its bf16 matmuls allocate inside themselves (a real step's ops are
         # followed as they are: Step.follow on one counts no workspace)
         workspace = cpu_matmul_workspace if self._on_meta() and self.device == "cpu" else None
+        uncounted = self.model.parameters() if sharding is not None else ()
         live = LiveBytes({"weights": weights, "optimizer": self._state(), "inputs": given}, grads, outputs,
-                         workspace)  # fmt: skip
+                         workspace, uncounted)  # fmt: skip
+        if sharding is not None:
+            sharding.attach(live)
         try:
             meta = _values_as_on_device() if self._on_meta() else contextlib.nullcontext()
             autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
@@ -411,15 +433,23 @@ class Step:
                 with self._region():
                     loss = self.model(**inputs).loss
                 live.phase = "backward"
+                if sharding is not None:
+                    sharding.backward()
                 # The engine itself, not loss.backward(): a torch function mode is off while it handles a
                 # call, and the planner's (_values_as_on_device) would then be off for the whole
                 # backward, checkpointing's recompute of the forward included.
                 _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), True, True)
                 del loss
+                if sharding is not None:  # FSDP2's final callback: what the backward left reduced
+                    sharding.finish()
                 live.phase = "step"
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         finally:
+            if sharding is not None:
+                sharding.detach()
+                for p in self.trainable:
+                    p.grad = None
             live.close()
             self.optimizer.zero_grad(set_to_none=True)
         return live
@@ -565,7 +595,8 @@ def _by(step: Step, searched: str, batch: int | None, seq: int | None, checkpoin
 
 def plan_step(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_RECIPES,
               rank: int = DEFAULT_RANK, fits: int | str | None = None, device: str = "cuda",
-              images: int | None = None, image_size: int | None = None) -> dict:  # fmt: skip
+              images: int | None = None, image_size: int | None = None,
+              ranks: int | None = None) -> dict:  # fmt: skip
     """The peak of one training step of the model `config` describes (a config object or dict, or the
     path of a config JSON file), eager and after invact.patch(), without and with gradient
     checkpointing, for each recipe in `recipes` (RECIPES' names), predicted on the meta device.
@@ -580,8 +611,13 @@ def plan_step(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_REC
     (the largest value searched), rows: one per recipe and variant, in RECIPES' then VARIANTS' order,
     {recipe, patched, checkpointing, batch, seq (the answer where searched), peak_bytes, terms (TERMS
     key -> bytes live at the peak), phase, op, peaks (how many steps were planned)}; with fits a row
-    where nothing fits has seq (or batch) 0 and the peak at the smallest one tried."""
-    _check_positive(batch=batch, seq=seq)
+    where nothing fits has seq (or batch) 0 and the peak at the smallest one tried.
+
+    `ranks` (None: one device): the peak on each of `ranks` devices that train the model with FSDP2
+    (`fully_shard` on each decoder layer, then the root; invact.sharding), each with `batch` x `seq` of
+    its own; the result's `ranks` says which (1 plans one device: FSDP2 on one rank keeps each parameter
+    once, as one device does)."""
+    _check_positive(batch=batch, seq=seq, ranks=ranks)
     budget = None if fits is None else (parse_size(fits) if isinstance(fits, str) else fits)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise PlanError(f"the memory to fit in must be a positive number of bytes, got {fits!r}")
@@ -599,7 +635,8 @@ def plan_step(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_REC
     cap = (_positions(config) if searched == "seq" else BATCH_CAP) if searched else None
     rows, model_class = [], None
     for name in recipes:
-        step = Step(config, name, rank=rank, device=device, images=images, image_size=image_size)
+        step = Step(config, name, rank=rank, device=device, images=images, image_size=image_size,
+                    ranks=ranks if ranks != 1 else None)  # fmt: skip
         model_class = type(step.base).__name__
         for patched, checkpointing in VARIANTS:
             if patched and not step.patched:
@@ -618,6 +655,7 @@ def plan_step(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_REC
         "model_class": model_class,
         "dtype": "bfloat16",
         "device": device,
+        "ranks": ranks,
         "rank": rank,
         "batch": batch,
         "seq": seq,
