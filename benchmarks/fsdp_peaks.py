@@ -61,8 +61,6 @@ import datetime
 import gc
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -215,47 +213,6 @@ def _live_class():
     return FSDPLiveBytes
 
 
-def _profiled(fn) -> dict:
-    """fn() under torch's profiler (profile_memory=True): {peak: the largest running sum of the CPU
-    allocator's allocations and frees in time order (bytes above what was alive before), end: the sum
-    after fn, at: the ops running at the peak, outermost first, peaks: {phase: the largest running sum
-    inside fn's record_function range "fsdp_peaks::<phase>"}} (benchmarks/step_plan.py's method)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    running = peak = 0
-    when = None
-    for ns, nbytes in memory:
-        running += nbytes
-        if running > peak:
-            peak, when = running, ns
-    at = []
-    if when is not None:
-        around = [e for e in events if e.name() != "[memory]" and e.start_ns() <= when <= e.end_ns()]
-        at = [e.name() for e in sorted(around, key=lambda e: (e.start_ns(), -e.end_ns()))]
-        at = [name for name in at if not name.startswith("fsdp_peaks::")]
-    # the peak within each "fsdp_peaks::<phase>" range (the running sum as the range starts, and at
-    # each event inside it)
-    peaks = {}
-    for e in events:
-        if e.name().startswith("fsdp_peaks::"):
-            start, end = e.start_ns(), e.end_ns()
-            running, best = 0, None
-            for ns, nbytes in memory:
-                if ns > end:
-                    break
-                if ns >= start and best is None:
-                    best = running
-                running += nbytes
-                if ns >= start:
-                    best = max(best, running)
-            peaks[e.name().removeprefix("fsdp_peaks::")] = running if best is None else best
-    return {"peak": peak, "end": sum(n for _, n in memory), "at": at, "peaks": peaks}
-
-
 def measure(spec: dict, rank: int) -> dict:
     import torch
 
@@ -353,7 +310,9 @@ def measure(spec: dict, rank: int) -> dict:
     if spec.get("profile", True):
         gc.collect()
         alive = out["alive_before"]["total"]
-        profiled = _profiled(lambda: step(marks=True))
+        from step_plan import profiled_peak
+
+        profiled = profiled_peak(lambda: step(marks=True), ranges="fsdp_peaks::")
         out["profiler"] = {"peak_bytes": alive + profiled["peak"], "alive_before": alive,
                            "end_bytes": profiled["end"], "at": profiled["at"],
                            "peaks": {k: alive + v for k, v in profiled["peaks"].items()}}  # fmt: skip
@@ -399,12 +358,6 @@ class RunError(Exception):
     """A measurement failed: one line saying which rank and why."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
@@ -429,41 +382,17 @@ def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float =
         out = Path(tmp)
         spec = {"config": config, "batch": batch, "seq": seq, "patched": patched, "profile": profile}
         (out / "spec.json").write_text(json.dumps(spec))
-        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-               "WORLD_SIZE": str(ranks), "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-               "PYTHONPATH": pythonpath}  # fmt: skip
-        if sys.platform.startswith("linux"):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        procs = []
-        for rank in range(ranks):
-            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out)]
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(
-                (subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log)
-            )
-        deadline = time.monotonic() + wait_s
-        try:
-            for proc, _ in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for proc, log in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=30)
-                log.close()
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from tests.gloo import launch
+
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out)]
+        codes = launch(command, ranks, out, wait_s)
         results, errors = [], []
-        for rank, (proc, _) in enumerate(procs):
+        for rank, code in enumerate(codes):
             path = out / f"rank{rank}.json"
             if not path.exists():
-                how = (
-                    f"killed at the launcher's {wait_s:.0f} s"
-                    if proc.returncode == -9
-                    else f"exited {proc.returncode}"
-                )
+                how = f"killed at the launcher's {wait_s:.0f} s" if code == -9 else f"exited {code}"
                 errors.append(
                     f"rank {rank} {how} without a result: {_last_line((out / f'rank{rank}.log').read_text())}"
                 )

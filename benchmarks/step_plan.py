@@ -156,10 +156,12 @@ def _alive(step, given: dict) -> int:
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def profiled_peak(fn) -> dict:
+def profiled_peak(fn, ranges: str | None = None) -> dict:
     """fn() under torch's profiler (profile_memory=True): {peak: the largest running sum of the CPU
     allocator's allocations and frees in time order (bytes above what was alive before), end: the sum
-    after fn, at: the names of the ops running at the peak, outermost first}."""
+    after fn, at: the names of the ops running at the peak, outermost first}; with `ranges` (a prefix of
+    record_function names fn opens, such as "fsdp_peaks::"), also peaks: {name less the prefix: the
+    largest running sum inside that range (from the sum as it starts)}, and `at` without those names."""
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
@@ -177,7 +179,25 @@ def profiled_peak(fn) -> dict:
     if when is not None:
         around = [e for e in events if e.name() != "[memory]" and e.start_ns() <= when <= e.end_ns()]
         at = [e.name() for e in sorted(around, key=lambda e: (e.start_ns(), -e.end_ns()))]
-    return {"peak": peak, "end": running, "at": at}
+    result = {"peak": peak, "end": running, "at": at}
+    if ranges is None:
+        return result
+    result["at"] = [name for name in at if not name.startswith(ranges)]
+    result["peaks"] = {}
+    for e in events:
+        if e.name().startswith(ranges):
+            start, end = e.start_ns(), e.end_ns()
+            total, best = 0, None
+            for ns, nbytes in memory:
+                if ns > end:
+                    break
+                if ns >= start and best is None:
+                    best = total
+                total += nbytes
+                if ns >= start:
+                    best = max(best, total)
+            result["peaks"][e.name().removeprefix(ranges)] = total if best is None else best
+    return result
 
 
 def _dispatch_peak(step, given: dict) -> int:

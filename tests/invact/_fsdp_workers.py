@@ -41,12 +41,9 @@ compile its kernels in each process), with one thread a rank.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
@@ -294,23 +291,11 @@ def run_case(case: str, rank: int) -> dict:
 
 
 def main(out_dir: str) -> None:
-    import torch.distributed as dist
+    from tests.gloo import run_cases
 
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     no_numba()
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    for case in CASES:
-        try:
-            result = run_case(case, rank)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-        torch.save(result, Path(out_dir) / f"{case}_rank{rank}.pt")
-        dist.barrier()
-    # Past the last barrier both ranks' results are on disk: exit without tearing down the process group
-    # or the interpreter (tests/invact/_stack_workers.py: gloo's threads aborted there in CI).
-    sys.stdout.flush()
-    os._exit(0)
+    run_cases(CASES, run_case, out_dir, TIMEOUT_S)
 
 
 if __name__ == "__main__":

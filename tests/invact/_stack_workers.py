@@ -20,11 +20,7 @@ what DDP and FSDP do with InvAct's autograd node does not depend on which CPU ke
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import traceback
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -124,24 +120,11 @@ def no_numba() -> None:
 
 
 def main(out_dir: str) -> None:
-    import torch.distributed as dist
+    from tests.gloo import run_cases
 
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     no_numba()
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    for mode in MODES:
-        try:
-            result = _step(mode, rank)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-        torch.save(result, Path(out_dir) / f"{mode}_rank{rank}.pt")
-        dist.barrier()
-    # Past the last barrier both ranks' results are on disk. Exit without tearing down the process
-    # group or the interpreter: in two CI runs of this project a rank aborted there ("terminate called
-    # without an active exception", from torch's gloo threads) after both results were saved.
-    sys.stdout.flush()
-    os._exit(0)
+    run_cases(MODES, _step, out_dir, TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch
 
 import invact
 from invact.activation.ops import CPU_BODY_MAX_ELEMENTS
+from tests.gloo import launch, log_tails
 from tests.invact._fsdp_workers import (
     CASES,
     FSDP_CASES,
@@ -45,7 +44,6 @@ from tests.invact._fsdp_workers import (
     rank_batch,
 )
 from tests.invact.test_loss import _fp32_bound as _loss_fp32_bound
-from tests.invact.test_training_stacks import _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 _WORKER_TIMEOUT_S = 300  # the workers' own collectives time out after 60 s; deepspeed's first use builds
@@ -107,43 +105,13 @@ def fsdp_results(tmp_path_factory):
     """{case: [rank 0's result, rank 1's]} of tests/invact/_fsdp_workers.py (None where a rank saved none:
     it crashed or was killed) and "log": the workers' exit codes and the ends of their logs."""
     out = tmp_path_factory.mktemp("fsdp")
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(WORLD),
-        "OMP_NUM_THREADS": "1",
-        "NUMBA_NUM_THREADS": "1",
-        "DS_ACCELERATOR": "cpu",  # deepspeed (where installed) on its CPU accelerator, over gloo
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on the loopback device, not the host's address
-    procs = []
     start = time.monotonic()
-    for rank in range(WORLD):
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, "-m", "tests.invact._fsdp_workers", str(out)]
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(
-            (subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log)
-        )
-    deadline = start + _WORKER_TIMEOUT_S
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-            log.close()
+    # deepspeed (where installed) on its CPU accelerator, over gloo
+    command = [sys.executable, "-m", "tests.invact._fsdp_workers", str(out)]
+    codes = launch(command, WORLD, out, _WORKER_TIMEOUT_S, env={"DS_ACCELERATOR": "cpu"})
     # A rank that crashed (a segfault) or was killed (-9, at the deadline) loses the cases from there on:
     # each of those fails with the logs, the cases before keep their results.
-    codes = [proc.returncode for proc, _ in procs]
-    tails = "\n".join(f"rank {r}:\n{(out / f'rank{r}.log').read_text()[-3000:]}" for r in range(WORLD))
+    tails = log_tails(out, WORLD)
     results = {"log": f"workers exited with {codes} after {time.monotonic() - start:.0f} s:\n{tails}"}
     for case in CASES:
         files = [out / f"{case}_rank{r}.pt" for r in range(WORLD)]

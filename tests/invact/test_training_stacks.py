@@ -23,12 +23,8 @@ import contextlib
 import copy
 import functools
 import math
-import os
 import pickle
-import socket
-import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -40,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import invact
 from invact.activation.activations import ACTIVATIONS
+from tests.gloo import launch, log_tails
 from tests.invact._stack_workers import BATCH, HIDDEN, MODES, global_batch, loss_fn, make_mlp
 from tests.invact.test_functional import _fp32_bound
 
@@ -361,52 +358,14 @@ def test_hf_gradient_checkpointing(kind, use_reentrant):
 _WORKER_TIMEOUT_S = 240  # the workers' own collectives time out after 60 s
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     """Both ranks' results of tests/invact/_stack_workers.py: {"ddp": [rank0, rank1], "fsdp": [...], ...}."""
     out = tmp_path_factory.mktemp("gloo")
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "2",
-        "OMP_NUM_THREADS": "1",
-        "NUMBA_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on the loopback device, not the host's address
-    procs = []
-    for rank in range(2):
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, "-m", "tests.invact._stack_workers", str(out)]
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(
-            (subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log)
-        )
-    deadline = time.monotonic() + _WORKER_TIMEOUT_S
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-            log.close()
-    logs = "\n".join(f"rank {r}:\n{(out / f'rank{r}.log').read_text()[-3000:]}" for r in range(2))
-    if any(proc.returncode != 0 for proc, _ in procs):
-        codes = [proc.returncode for proc, _ in procs]  # -N: ended by signal N (-9: killed at the deadline)
+    codes = launch([sys.executable, "-m", "tests.invact._stack_workers", str(out)], 2, out, _WORKER_TIMEOUT_S)
+    if any(code != 0 for code in codes):  # -N: ended by signal N (-9: killed at the deadline)
         limit = f"killed if still running at {_WORKER_TIMEOUT_S} s"
-        pytest.fail(f"gloo workers exited with {codes} ({limit}):\n{logs}")
+        pytest.fail(f"gloo workers exited with {codes} ({limit}):\n{log_tails(out, 2)}")
     return {mode: [torch.load(out / f"{mode}_rank{r}.pt") for r in range(2)] for mode in MODES}
 
 
