@@ -50,7 +50,8 @@ The inputs of a rank: input_ids (batch, seq) random in the vocabulary (seeded by
 same tensor. The patched CPU backward runs numba's kernels (NUMBA_NUM_THREADS=1), as a user's would.
 
 `--matrix` runs MATRIX (three architectures, 2 and 4 ranks, eager and patched, batch 1 x seq 512 and
-128 per rank) and writes benchmarks/results/fsdp_peaks_cpu.json (or --out).
+128 per rank, and seq 512 with Hugging Face's gradient checkpointing) and writes
+benchmarks/results/fsdp_peaks_cpu.json (or --out).
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ ARCHITECTURES: dict[str, dict] = {
         "n_positions": 1024,
     },  # fmt: skip
 }
-# seq 512: activations most of the peak; seq 128: FSDP2's own buffers and the shards a larger part of it
+# seq 512: activations most of the peak; seq 128: FSDP2's own buffers and the shards a larger part of it;
+# with Hugging Face's gradient checkpointing at seq 512 (its recompute runs FSDP2's hooks again)
 MATRIX = dict(architectures=("llama", "qwen3", "gpt2"), ranks=(2, 4), patched=(False, True), batch=1,
-              seqs=(512, 128))  # fmt: skip
+              shapes=((512, False), (128, False), (512, True)))  # fmt: skip
 
 
 # -- the worker: one rank ---------------------------------------------------------------------------------
@@ -217,6 +219,10 @@ def measure(spec: dict, rank: int) -> dict:
     import torch
 
     model, cls, attention, names = build(spec["config"], spec["patched"])
+    if spec.get("checkpointing"):  # Hugging Face's, as the planner's checkpointing rows (invact.step_peak)
+        from invact.step_peak import _enable_checkpointing
+
+        _enable_checkpointing(model)
     units = shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     vocab = model.config.get_text_config().vocab_size
@@ -364,7 +370,7 @@ def _last_line(text: str) -> str:
 
 
 def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float = WAIT_S,
-        profile: bool = True) -> dict:  # fmt: skip
+        profile: bool = True, checkpointing: bool = False) -> dict:  # fmt: skip
     """One measurement: `ranks` processes; the gathered result (RunError where a rank failed)."""
     import torch
     import transformers
@@ -380,7 +386,8 @@ def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float =
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fsdp_peaks_") as tmp:
         out = Path(tmp)
-        spec = {"config": config, "batch": batch, "seq": seq, "patched": patched, "profile": profile}
+        spec = {"config": config, "batch": batch, "seq": seq, "patched": patched, "profile": profile,
+                "checkpointing": checkpointing}  # fmt: skip
         (out / "spec.json").write_text(json.dumps(spec))
         if str(REPO) not in sys.path:
             sys.path.insert(0, str(REPO))
@@ -411,6 +418,7 @@ def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float =
         "batch": batch,
         "seq": seq,
         "patched": patched,
+        "checkpointing": checkpointing,
         "dtype": DTYPE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -443,6 +451,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="rows per rank")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--patched", action="store_true", help="invact.patch(model) before sharding")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="Hugging Face's gradient checkpointing on each decoder layer")  # fmt: skip
     parser.add_argument("--out", type=Path, help="where to write the JSON")
     parser.add_argument("--matrix", action="store_true", help="run MATRIX into results/fsdp_peaks_cpu.json")
     parser.add_argument(
@@ -459,11 +469,12 @@ def main(argv=None) -> int:
         from timing import write_result
 
         t0, runs, failed = time.perf_counter(), [], 0
-        cases = [(name, ranks, patched, seq) for seq in MATRIX["seqs"] for name in MATRIX["architectures"]
-                 for ranks in MATRIX["ranks"] for patched in MATRIX["patched"]]  # fmt: skip
-        for name, ranks, patched, seq in cases:
+        cases = [(name, ranks, patched, seq, ckpt) for seq, ckpt in MATRIX["shapes"]
+                 for name in MATRIX["architectures"] for ranks in MATRIX["ranks"]
+                 for patched in MATRIX["patched"]]  # fmt: skip
+        for name, ranks, patched, seq, ckpt in cases:
             try:
-                result = run(name, ranks, MATRIX["batch"], seq, patched, args.timeout, args.profile)
+                result = run(name, ranks, MATRIX["batch"], seq, patched, args.timeout, args.profile, ckpt)
                 print(summary(result), flush=True)
             except RunError as e:
                 failed += 1
@@ -471,7 +482,7 @@ def main(argv=None) -> int:
                 print(f"{name} ranks {ranks} patched {patched}: FAILED: {line}", flush=True)
                 result = {"config": {"name": name, **ARCHITECTURES[name]}, "ranks": ranks,
                           "batch": MATRIX["batch"], "seq": seq, "patched": patched,
-                          "error": line}  # fmt: skip
+                          "checkpointing": ckpt, "error": line}  # fmt: skip
             runs.append(result)
         seconds = round(time.perf_counter() - t0, 1)
         print(f"matrix: {len(runs)} runs in {seconds} s")
@@ -483,7 +494,8 @@ def main(argv=None) -> int:
     if not args.config:
         parser.error("--config (or --matrix) is required")
     try:
-        result = run(args.config, args.ranks, args.batch, args.seq, args.patched, args.timeout, args.profile)
+        result = run(args.config, args.ranks, args.batch, args.seq, args.patched, args.timeout, args.profile,
+                     args.checkpointing)  # fmt: skip
     except RunError as e:
         print(f"FAILED: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -34,7 +34,7 @@ def predict(run: dict) -> dict:
     step = Step(None, "bf16", model=model, device="cpu", ranks=run["ranks"])
     if run["patched"]:
         step.patch()
-    return step.peak(run["batch"], run["seq"])
+    return step.peak(run["batch"], run["seq"], checkpointing=run.get("checkpointing", False))
 
 
 def compare(peaks: dict) -> dict:
@@ -46,6 +46,7 @@ def compare(peaks: dict) -> dict:
         plan = predict(run)
         measured = max(r["peak_bytes"] for r in run["per_rank"])
         rows.append({"model": run["config"]["name"], "ranks": run["ranks"], "patched": run["patched"],
+                     "checkpointing": run.get("checkpointing", False),
                      "batch": run["batch"], "seq": run["seq"], "measured_bytes": measured,
                      "predicted_bytes": plan["peak_bytes"], "ratio": round(plan["peak_bytes"] / measured, 4),
                      "phase": plan["phase"], "measured_phase": run["per_rank"][0]["phase"],
@@ -56,11 +57,13 @@ def compare(peaks: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| model | ranks | seq / rank | | measured peak / rank | predicted | predicted / measured |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| model | ranks | seq / rank | | checkpointing | measured peak / rank | predicted "
+             "| predicted / measured |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['ranks']} | {r['seq']} | {'patch()' if r['patched'] else 'eager'} "
+            f"| {'on' if r['checkpointing'] else 'off'} "
             f"| {r['measured_bytes'] / MIB:.3f} MiB | {r['predicted_bytes'] / MIB:.3f} MiB "
             f"| {r['ratio']:.4f} |"
         )

@@ -118,9 +118,12 @@ def test_the_committed_per_gpu_check_holds_and_is_what_the_planner_predicts_now(
     assert {r["patched"] for r in rows} == {False, True}
     outside = [r for r in rows if not MOST_UNDER <= r["ratio"] <= MOST_OVER]
     assert not outside, outside
-    runs = {(r["config"]["name"], r["ranks"], r["patched"], r["seq"]): r for r in peaks["runs"]}
+    runs = {
+        (r["config"]["name"], r["ranks"], r["patched"], r["seq"], r["checkpointing"]): r
+        for r in peaks["runs"]
+    }
     for row in rows:
-        run = runs[row["model"], row["ranks"], row["patched"], row["seq"]]
+        run = runs[row["model"], row["ranks"], row["patched"], row["seq"], row["checkpointing"]]
         assert row["measured_bytes"] == max(r["peak_bytes"] for r in run["per_rank"])
         assert fsdp_plan.predict(run)["peak_bytes"] == row["predicted_bytes"], row
 
@@ -134,16 +137,15 @@ def test_the_readmes_fsdp_table_is_the_committed_plan():
 
 def test_the_quoted_profiler_agreement_is_the_committed_measurement():
     """docs/patching.md's comparison of the measured peaks (LiveBytes, told of FSDP2's resizes) with torch's
-    profiler: never below it, and where it is above, by what the docs say."""
+    profiler: never below it (the profiler sees every allocation, LiveBytes every op's), and where it is
+    above, by what the docs say."""
     runs = json.loads((RESULTS / "fsdp_peaks_cpu.json").read_text())["runs"]
     above = []
     for run in runs:
         ranks = run["per_rank"]
         above.append(max(r["profiler"]["peak_bytes"] for r in ranks) - max(r["peak_bytes"] for r in ranks))
-    gloo = [a for a in above if a > 96]
-    text = (f"agrees to the byte on {above.count(0)} of the {len(runs)} runs, is 96 bytes above on "
-            f"{above.count(96)} (GPT-2's eager runs), and {gloo[0] / 1024:.1f} KiB above on "
-            f"{len(gloo)}")  # fmt: skip
+    text = (f"is never below it: equal on {above.count(0)} of the {len(runs)} runs and at most "
+            f"{max(above) / 1024:.1f} KiB above")  # fmt: skip
     assert min(above) >= 0
     assert text in " ".join((ROOT / "docs" / "patching.md").read_text().split()), text
 
