@@ -178,3 +178,14 @@ def test_the_command_plans_per_gpu(tmp_path, capsys):
     expected = plan_step(str(config), 1, 64, recipes=("bf16",), device="cuda", ranks=2)
     assert result["ranks"] == 2
     assert [r["peak_bytes"] for r in result["rows"]] == [r["peak_bytes"] for r in expected["rows"]]
+
+
+def test_patch_lowers_every_measured_fsdp2_peak():
+    """In every committed real FSDP2 run (benchmarks/fsdp_peaks.py, the workers with numba's CPU kernels,
+    as users run them), the patched rank's peak is below the eager one's of the same shape."""
+    runs = json.loads((RESULTS / "fsdp_peaks_cpu.json").read_text())["runs"]
+    peaks = {(r["config"]["name"], r["ranks"], r["seq"], r["checkpointing"], r["patched"]):
+             max(x["peak_bytes"] for x in r["per_rank"]) for r in runs}  # fmt: skip
+    pairs = [(key, peaks[(*key, False)], peaks[(*key, True)]) for key in {k[:-1] for k in peaks}]
+    assert len(pairs) == len(runs) // 2
+    assert not [p for p in pairs if not p[2] < p[1]], pairs
