@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # The label LiveBytes files FSDP2's buffers under (the all-gathered parameters, the all-gather output,
 # the reduce-scatter input): a term of its own in a plan's --explain
@@ -188,7 +188,7 @@ class Sharding:
         passed = _PostBackward.apply(self, unit, *(flat[i] for i in needing))
         for i, t in zip(needing, passed, strict=True):
             flat[i] = t
-        return spec.unflatten(flat)
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, module, args, output, unit: _Unit):
         if self.in_backward:

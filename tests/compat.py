@@ -43,7 +43,7 @@ ENVIRONMENTS = {
 # What the rest of the tests need that the environment would not have (no triton: its interpreter's
 # bf16 casts differ; numba: the CPU kernels, as users install them with invact[cpu]).
 EXTRAS = ["pytest>=8", "numpy>=1.24", "numba>=0.60", "peft>=0.10"]
-# The core: patch, plan, loss, norm, MLP, compile and the CLI.
+# The core: patch, plan, loss, norm, MLP, compile, the CLI, FSDP2 (its internals differ across torch).
 CORE = [
     "tests/invact/test_patch.py",
     "tests/invact/test_patch_safety.py",
@@ -63,6 +63,8 @@ CORE = [
     "tests/invact/test_experts.py",
     "tests/invact/test_memory_and_compile.py",
     "tests/invact/test_versions.py",
+    "tests/invact/test_fsdp.py",
+    "tests/invact/test_sharding.py",
 ]
 SMOKE = [
     "tests/invact/test_versions.py",

@@ -208,7 +208,7 @@ def _train(case: str, rank: int, patched: bool) -> dict:
         live = LiveBytes({"weights": known, "inputs": [ids]}) if measure else None
         try:
             with live or contextlib.nullcontext():
-                out = wrapped(input_ids=ids, labels=ids)
+                out = wrapped(input_ids=ids, labels=ids, use_cache=False)
                 loss, logits = out.loss, out.logits
                 if isinstance(logits, torch.Tensor):
                     run["max_logit"].append(logits.detach().abs().max().item())
@@ -260,7 +260,7 @@ def _probe(wrapped, model, ids) -> dict:
     gradient), after it, and after every parameter is added 0 in place (what an optimizer's step does to
     the version counters, without changing a value), before any step: {"before", "after", "updated"},
     each _read's."""
-    out = wrapped(input_ids=ids, labels=ids)
+    out = wrapped(input_ids=ids, labels=ids, use_cache=False)
     logits = out.logits
     before = _read(logits)
     (out.loss * 0).backward()

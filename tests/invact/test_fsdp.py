@@ -168,7 +168,7 @@ def references():
 
 def _grads(model, ids) -> dict[str, torch.Tensor]:
     model.train()
-    model(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     return {plain_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -118,6 +118,9 @@ def test_the_committed_per_gpu_check_holds_and_is_what_the_planner_predicts_now(
     assert {r["patched"] for r in rows} == {False, True}
     outside = [r for r in rows if not MOST_UNDER <= r["ratio"] <= MOST_OVER]
     assert not outside, outside
+    if (torch.__version__, transformers.__version__) != (result["torch"], result["transformers"]):
+        pytest.skip(f"the committed predictions are torch {result['torch']}'s and transformers "
+                    f"{result['transformers']}'s (their models allocate otherwise)")  # fmt: skip
     runs = {
         (r["config"]["name"], r["ranks"], r["patched"], r["seq"], r["checkpointing"]): r
         for r in peaks["runs"]
