@@ -8,14 +8,21 @@ hooks and autograd hooks (the ones FSDP2 registers), the bytes FSDP2 allocates a
 - sharded parameters, gradients and optimizer state: each parameter's dim 0 split over the ranks,
   every rank's shard `ceil(dim0 / ranks)` rows (FSDP2 pads the last ranks' shards to that: the per-rank
   bytes are the largest shard's);
-- a unit's all-gather, before its forward (and, for a layer, again before its backward): the flat
-  all-gather output (every rank's padded shard) and the unsharded parameters copied out of it, both
-  alive until the copy-out ends; then the unsharded parameters only, freed after a layer's forward
-  (reshard_after_forward, FSDP2's default for all but the root) and after its backward. The root's stay
-  gathered from its forward until its gradients are reduced at the end of backward;
+- a unit's all-gather before its forward: the flat all-gather output (every rank's padded shard) and
+  the unsharded parameters (padded) copied out of it; the output is freed after the next unit's
+  copy-out (the root's post-forward frees the last), the unsharded parameters after a layer's forward
+  (reshard_after_forward, FSDP2's default for all but the root). The root's stay gathered until its
+  gradients are reduced at the end of backward;
+- in backward, a layer gathered again when a gradient reaches its outputs, and the unit that ran before
+  it in the forward prefetched (its all-gather output alive until that unit's own backward begins; the
+  root's backward prefetches the last layer);
 - a unit's gradients, when its backward ends (the gradient reaching its inputs; where none needs one,
-  at the end of backward, as FSDP2's final callback): the unsharded gradients autograd accumulated,
-  copied into the flat reduce-scatter input, then freed, and each parameter's sharded gradient.
+  at the end of backward, as FSDP2's final callback): the unit resharded, the previous unit's
+  reduce-scatter input freed, its own allocated and filled from the unsharded gradients, which are then
+  freed, and the sharded gradients, one storage for the unit; the input kept until the next unit's
+  post-backward.
+
+Read from torch 2.13's torch/distributed/fsdp/_fully_shard/ (FSDP2 on a CPU over gloo: no streams).
 
 The model's own (full, meta) parameters compute the forward and backward as on one device, with the
 rank's micro-batch; their bytes are not counted (the gathered buffers stand for them). Imports no
