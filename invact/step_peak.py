@@ -60,7 +60,9 @@ from invact.planner import (
 from invact.sharding import Sharding
 
 _ADD = torch.ops.aten.add.Tensor
-_PLAIN = (torch.Tensor, nn.Parameter)
+# What a tensor type without a dispatch of its own has (torch.Tensor, nn.Parameter and their plain
+# subclasses); DTensor and other wrapper subclasses define their own __torch_dispatch__
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
 _expired = torch.UntypedStorage._expired
 _free = torch.UntypedStorage._free_weak_ref
 
@@ -227,7 +229,7 @@ class LiveBytes(TorchDispatchMode):
                 self._drop(key, entry)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t not in _PLAIN for t in types):
+        if any(getattr(t, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH for t in types):
             # a tensor subclass (FSDP2's DTensor parameters, gradients and optimizer state): its own
             # dispatch runs the op on its plain local tensors, which come back here
             return NotImplemented
