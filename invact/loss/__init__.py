@@ -140,7 +140,7 @@ def _shards(module) -> tuple:
 
 
 @contextlib.contextmanager
-def _gathered(module, weight: torch.Tensor):
+def _gathered(module, weight: torch.Tensor, found: dict | None = None):
     """`weight` (the head's, as its forward saw it) with its values while the block runs: where FSDP2
     shards the head as a unit of its own (`fully_shard(model.lm_head)`, as torchtitan does), its forward
     hook freed the all-gathered weight when the head returned, before the loss (or a read of the logits)
@@ -148,10 +148,13 @@ def _gathered(module, weight: torch.Tensor):
     rank computes its loss, as in any training step) and frees it after (`module.reshard()`) where the
     head is a unit alone (_alone). The gradient the loss computes reaches that parameter, which FSDP2's
     post-backward reduce-scatters. A no-op elsewhere (a weight with its storage: unsharded, in a root
-    unit, DDP, one device)."""
+    unit, DDP, one device). `found` (a PendingLogits' `_fsdp`): where it gathers, the versions of the
+    shards it gathers from are kept there under "shards", once (_unavailable compares later reads)."""
     if module is None or not _freed(weight) or not hasattr(module, "unshard"):
         yield
         return
+    if found is not None:
+        found.setdefault("shards", _shards(module))
     module.unshard()
     try:
         yield
@@ -446,9 +449,7 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     if input.added is not None:  # BART's final_logits_bias, folded into the head's
         added = input.added.reshape(-1).to(hidden.dtype)
         bias = added if bias is None else bias + added
-    if input.module is not None and _freed(input.weight):  # FSDP2's shards as the loss gathers them
-        input._fsdp.setdefault("shards", _shards(input.module))
-    with _gathered(input.module, input.weight):
+    with _gathered(input.module, input.weight, input._fsdp):
         return linear_cross_entropy(hidden, input.weight, target, bias, ops=input.ops,
                                     ignore_index=ignore_index, reduction=reduction,
                                     label_smoothing=label_smoothing)  # fmt: skip
