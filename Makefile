@@ -52,7 +52,8 @@ gpu:  ## the GPU suite (needs a CUDA device)
 # The short GPU check (benchmarks/gpu_quick.py: the Llama-shaped step eager / patch() / compiled /
 # compiled + patch(), head + loss at Llama-3.2-1B's shape against its three matmuls, host time per op
 # kind, the compiled patched step's top host costs, whole training steps at real shapes). Run it first
-# whenever a GPU is at hand. Parts 1-4 took 2 minutes on an H200 (torch 2.11); the whole steps'
-# compiles take minutes more (benchmarks/gpu_quick.py --parts runs some parts).
+# whenever a GPU is at hand. It runs the head + loss and the whole steps first, then the rest, within
+# a budget of seconds (--budget, default 220: 4 minutes with the start): a part or step row that the
+# longest of its kind so far would push past it is skipped and listed under "skipped" in its JSON.
 gpu-quick:  ## the short GPU check (needs a CUDA device)
 	PYTHON=$(PYTHON) bash benchmarks/gpu_suite.sh quick

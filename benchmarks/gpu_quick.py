@@ -19,6 +19,12 @@ patch() on, in bf16, each figure side by side with torch in one process.
    of benchmarks/configs, 8 layers, real vocabularies, batch 4 x seq 2048, bf16, AdamW): eager,
    patch(), torch.compile, torch.compile + patch(), ms and the allocator's peak, under "steps".
 
+The parts run in the order of what they decide (2, 5, 1, 3, 4) within a time budget (--budget, default
+BUDGET_S): a part or a whole-step row is started only while the budget has room for it, judged by the
+longest row of its kind measured so far (a compiled row by the compiled rows); what it leaves out is
+listed under "skipped" with the seconds it had left. A part started is run to its end (a compilation
+cannot be stopped half way), so the budget is a bound on when the last one starts, not a hard limit.
+
 --parts runs some of them. Writes benchmarks/results/gpu_quick_<device>.json (after the loss and after
 each whole step too: a run stopped at its time limit keeps what it measured) and prints one markdown
 report. --small runs every part at tiny shapes (on a CPU too: a check that the script runs).
@@ -49,6 +55,40 @@ LOSS_1B = (4096, 2048, 128256)  # tokens, hidden, vocabulary: Llama-3.2-1B's hea
 LOSS_SMALL = (64, 32, 3000)
 VARIANTS = ("eager", "patch", "compile", "compile_patch")
 PARTS = ("step", "loss", "host", "profile", "steps")
+TITLES = {"step": "Llama-shaped step", "loss": "head + loss", "host": "host time per op kind",
+          "profile": "profile", "steps": "whole training steps at real shapes"}  # fmt: skip
+# The order parts run in: what decides whether a GPU user keeps patch() on first (the head + loss, then
+# the whole steps at real shapes), the 8B-shaped decoder, host microseconds and the profile after.
+ORDER = ("loss", "steps", "step", "host", "profile")
+# `make gpu-quick`'s default budget in seconds: the check is to take at most 4 minutes on an H100/H200,
+# and the process spends about 15 s before its first part there (interpreter, torch, CUDA context,
+# the model configs; the H200 runs' logs put part 2's start at 2-13 s after the imports).
+BUDGET_S = 220.0
+
+
+class Budget:
+    """The seconds a run may spend: `allows(kind, what)` says whether a unit of work of `kind` may start
+    now, from the longest unit of that kind done so far (`done(kind, seconds)`); where it may not, the
+    unit is recorded in `skipped` with the seconds that were left."""
+
+    def __init__(self, seconds: float, clock=time.perf_counter) -> None:
+        self.seconds, self.clock, self.start = seconds, clock, clock()
+        self.longest: dict[str, float] = {}
+        self.skipped: list[dict] = []
+
+    def left(self) -> float:
+        return self.seconds - (self.clock() - self.start)
+
+    def allows(self, kind: str, what: str) -> bool:
+        left = self.left()
+        if left > self.longest.get(kind, 0.0):
+            return True
+        self.skipped.append({"what": what, "seconds_left": round(left, 1)})
+        print(f"  skipped {what}: {left:.0f} s of the budget left", flush=True)
+        return False
+
+    def done(self, kind: str, seconds: float) -> None:
+        self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
 
 
 def _sync(device: str) -> None:
@@ -248,20 +288,30 @@ def _step_row(name: str, variant: str, small: bool, device: str, dtype, steps: i
             "warmup_s": first, "loss": loss, "tokens": batch * seq}  # fmt: skip
 
 
-def step_rows(small: bool, device: str, dtype, steps: int, progress=None) -> list[dict]:
+def step_rows(small: bool, device: str, dtype, steps: int, progress=None, budget: Budget | None = None
+              ) -> list[dict]:  # fmt: skip
     """Part 5: whole training steps (forward with labels, loss, backward, AdamW, grads to None) of each
     STEP_MODELS model in each variant, one variant at a time: median ms of `steps` synchronized steps
     after 3 warm-up steps (compilation among them), and the allocator's peak bytes over those steps
     (weights, gradients and AdamW's state included). `progress(rows)` after each row (a partial
-    result written: a run stopped at its time limit keeps the rows it measured)."""
+    result written: a run stopped at its time limit keeps the rows it measured). `budget`: a row starts
+    only where it allows one of its kind (compiled or eager)."""
     rows = []
     for name in STEP_MODELS:
         for variant in STEP_VARIANTS:
+            kind = "compiled step" if "compile" in variant else "eager step"
+            if budget is not None and not budget.allows(kind, f"{name} {variant}"):
+                continue
+            t0 = time.perf_counter()
             rows.append(_step_row(name, variant, small, device, dtype, steps))
+            rows[-1]["seconds"] = time.perf_counter() - t0
+            if budget is not None:
+                budget.done(kind, rows[-1]["seconds"])
             if progress is not None:
                 progress(rows)
             gib = (rows[-1]["peak_bytes"] or 0) / 2**30
-            print(f"  {name} {variant}: {rows[-1]['ms']:.1f} ms, peak {gib:.2f} GiB", flush=True)
+            print(f"  {name} {variant}: {rows[-1]['ms']:.1f} ms, peak {gib:.2f} GiB "
+                  f"({rows[-1]['seconds']:.0f} s)", flush=True)  # fmt: skip
             torch._dynamo.reset()
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -318,6 +368,9 @@ def report(result: dict) -> str:
         b, s = STEP_SHAPE
         lines += ["", f"Whole training steps, batch {b} x seq {s}, bf16, AdamW (median ms; allocator peak)",
                   "", steps_report(result["steps"])]  # fmt: skip
+    if result.get("skipped"):
+        lines += ["", "Left out by the time budget: " + "; ".join(
+            f"{x['what']} ({x['seconds_left']:.0f} s left)" for x in result["skipped"])]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -388,7 +441,7 @@ def check(result: dict) -> list[str]:
                 tflops = result["llama"]["flops"] / result["llama"][f"{k}_{what}_ms"] / 1e9
                 if tflops > peak:
                     errors.append(f"{k}: {tflops:.0f} TFLOP/s from its {what} time, above the {peak} peak")
-        for k, v in result["loss"]["variants"].items():
+        for k, v in result.get("loss", {}).get("variants", {}).items():
             if v["tflops"] > peak:
                 errors.append(f"loss {k}: {v['tflops']:.0f} TFLOP/s, above the {peak} peak")
     return errors
@@ -426,9 +479,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="part 2 alone (head + loss): results/gpu_quick_loss_<device>.json")  # fmt: skip
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="the parts to run (default all): " + ", ".join(PARTS))  # fmt: skip
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help=f"seconds the parts may take (default {BUDGET_S:.0f}): a part or whole-step "
+                        "row starts only where the longest of its kind so far still fits; what is left "
+                        "out is listed under 'skipped'")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be positive")
+    if not args.budget > 0:
+        parser.error("--budget must be a positive number of seconds")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.small:
         parser.error("no CUDA device is visible: gpu-quick needs one (or --small, a check that it runs)")
@@ -442,38 +501,50 @@ def main(argv: list[str] | None = None) -> int:
         print(loss_report(loss))
         return _write_checked(result, "gpu_quick_loss", device, args.out)
     parts, result = set(args.parts), _header(device, args.rounds)
+    budget = Budget(args.budget)
     step_fns = None
-    if parts & {"step", "profile"}:
-        print("part 1: Llama-shaped step", flush=True)
-        llama = llama_step(config, *shape, device, dtype, args.rounds, calls)
-        step_fns = llama.pop("steps")  # for the profile part; not written
-        result |= {"llama_shape": f"batch {shape[0]}, seq {shape[1]}, {config['num_hidden_layers']} layers",
-                   "llama_config": config, "llama": llama}  # fmt: skip
-    if "loss" in parts:
-        print(f"  {time.perf_counter() - t0:.0f} s; part 2: head + loss", flush=True)
-        result["loss"] = loss_row(*(LOSS_SMALL if args.small else LOSS_1B), device, dtype, args.rounds)
-        _write_checked(result, "gpu_quick", device, args.out)
-    if "host" in parts:
-        print(f"  {time.perf_counter() - t0:.0f} s; part 3: host time per op kind", flush=True)
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        host_calls = 20 if args.small else 100
-        pairs = host_time.setups(device, 4)
-        if not args.small:  # --small: eager only (host_time.py's own check compiles every setup)
-            pairs += host_time.setups(device, 4, compiled=True)
-        result["host"] = host_time.interleaved(pairs, host_calls, max(args.rounds, 3), sync)
-    if step_fns is not None:
-        if "profile" in parts:
-            print(f"  {time.perf_counter() - t0:.0f} s; part 4: profile", flush=True)
+
+    def write(partial: dict) -> None:  # after each part: a run stopped at its time limit keeps them
+        partial["skipped"] = budget.skipped
+        write_result(partial, "gpu_quick", device, out=args.out)
+
+    def progress(rows: list[dict]) -> None:  # after each whole-step row of part 5
+        result["steps"] = rows
+        write(result)
+
+    for part in (p for p in ORDER if p in parts):
+        if part == "profile" and step_fns is None:
+            continue  # the profile is of part 1's compiled patched step
+        if not budget.allows(f"part {part}", f"part {part}"):
+            continue
+        t1 = time.perf_counter()
+        print(f"  {t1 - t0:.0f} s; part {PARTS.index(part) + 1}: {TITLES[part]}", flush=True)
+        if part == "loss":
+            result["loss"] = loss_row(*(LOSS_SMALL if args.small else LOSS_1B), device, dtype, args.rounds)
+        elif part == "steps":
+            steps = 3 if args.small else 8
+            result["steps"] = step_rows(args.small, device, dtype, steps, progress, budget)
+        elif part == "step":
+            llama = llama_step(config, *shape, device, dtype, args.rounds, calls)
+            step_fns = llama.pop("steps")  # for the profile part; not written
+            layers = config["num_hidden_layers"]
+            result |= {"llama_shape": f"batch {shape[0]}, seq {shape[1]}, {layers} layers",
+                       "llama_config": config, "llama": llama}  # fmt: skip
+        elif part == "host":
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            host_calls = 20 if args.small else 100
+            pairs = host_time.setups(device, 4)
+            if not args.small:  # --small: eager only (host_time.py's own check compiles every setup)
+                pairs += host_time.setups(device, 4, compiled=True)
+            result["host"] = host_time.interleaved(pairs, host_calls, max(args.rounds, 3), sync)
+        else:
             result["profile"] = host_time.top_host_costs(step_fns["compile_patch"], calls)
-        del step_fns
-    if "steps" in parts:
-        print(f"  {time.perf_counter() - t0:.0f} s; part 5: whole training steps at real shapes", flush=True)
-
-        def progress(rows):
-            result["steps"] = rows
-            write_result(result, "gpu_quick", device, out=args.out)
-
-        result["steps"] = step_rows(args.small, device, dtype, 3 if args.small else 8, progress)
+            step_fns = None
+        budget.done(f"part {part}", time.perf_counter() - t1)
+        if part != "steps":  # part 5 wrote after each of its rows
+            write(result)
+    del step_fns
+    result["skipped"] = budget.skipped
     result["seconds"] = time.perf_counter() - t0
     print()
     print(report(result))

@@ -49,6 +49,7 @@ def test_small_run_writes_every_part(tmp_path):
         (m, v) for m in gpu_quick.STEP_MODELS for v in ("eager", "patch", "compile", "compile+patch")
     }
     assert all(r["ms"] > 0 and "peak_bytes" in r for r in steps)
+    assert data["skipped"] == []  # the default budget holds every part at tiny shapes
     assert "| compile + patch |" in proc.stdout and "top host costs" in proc.stdout
 
 
@@ -75,3 +76,56 @@ def test_check_takes_a_loss_only_result():
         "loss": {"variants": {"eager": {"tflops": 400.0}, "invact": {"tflops": 1200.0}}},
     }
     assert gpu_quick.check(result) == ["loss invact: 1200 TFLOP/s, above the 989.5 peak"]
+
+
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_budget_starts_a_unit_only_where_the_longest_of_its_kind_fits():
+    clock = _Clock()
+    budget = gpu_quick.Budget(100.0, clock=clock)
+    assert budget.allows("compiled step", "first")  # none of its kind measured yet: it starts
+    clock.now = 40.0
+    budget.done("compiled step", 40.0)
+    assert budget.allows("compiled step", "second")  # 60 s left, the longest took 40
+    clock.now = 70.0
+    assert budget.allows("eager step", "an eager row")  # its own kind: nothing measured
+    assert not budget.allows("compiled step", "third")  # 30 s left, the longest took 40
+    clock.now = 101.0
+    assert not budget.allows("eager step", "late")  # past the budget, whatever its kind
+    assert budget.skipped == [{"what": "third", "seconds_left": 30.0}, {"what": "late", "seconds_left": -1.0}]
+
+
+def test_steps_left_out_by_the_budget_are_listed_and_the_rest_measured(monkeypatch):
+    """step_rows asks the budget before each row: with room for no compiled row after the first, the
+    later compiled rows are skipped by name and the eager ones still run."""
+    clock = _Clock()
+    budget = gpu_quick.Budget(100.0, clock=clock)
+    budget.done("compiled step", 1000.0)  # as if a compiled row had taken longer than the budget
+    calls = []
+
+    def fake_row(name, variant, *args, **kwargs):
+        calls.append((name, variant))
+        return {"model": name, "variant": variant, "ms": 1.0, "peak_bytes": None}
+
+    monkeypatch.setattr(gpu_quick, "_step_row", fake_row)
+    monkeypatch.setattr(gpu_quick.torch._dynamo, "reset", lambda: None)
+    rows = gpu_quick.step_rows(True, "cpu", torch.bfloat16, 1, budget=budget)
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        (m, v) for m in gpu_quick.STEP_MODELS for v in ("eager", "patch")
+    ]
+    assert [x["what"] for x in budget.skipped] == [
+        f"{m} {v}" for m in gpu_quick.STEP_MODELS for v in ("compile", "compile+patch")
+    ]
+
+
+def test_refuses_a_budget_that_is_not_positive():
+    proc = _run("--small", "--budget", "0")
+    assert proc.returncode == 2 and "--budget must be a positive number of seconds" in proc.stderr
