@@ -64,16 +64,20 @@ ORDER = ("loss", "steps", "step", "host", "profile")
 # and the process spends about 15 s before its first part there (interpreter, torch, CUDA context,
 # the model configs; the H200 runs' logs put part 2's start at 2-13 s after the imports).
 BUDGET_S = 220.0
+# Each part's seconds before this run has measured it: the longest in the H200 runs' logs (torch 2.11;
+# benchmarks/results/gpu_logs/quick_*.log and run3_quick.log, from each part's start to the next's).
+# The whole-step rows have none: the first of each kind (eager, compiled) starts whenever time is left.
+PART_SECONDS = {"part loss": 11.0, "part step": 67.0, "part host": 49.0, "part profile": 8.0}
 
 
 class Budget:
     """The seconds a run may spend: `allows(kind, what)` says whether a unit of work of `kind` may start
-    now, from the longest unit of that kind done so far (`done(kind, seconds)`); where it may not, the
-    unit is recorded in `skipped` with the seconds that were left."""
+    now, from the longest unit of that kind done so far (`done(kind, seconds)`; `known`: seconds per kind
+    before any is done); where it may not, the unit is recorded in `skipped` with the seconds left."""
 
-    def __init__(self, seconds: float, clock=time.perf_counter) -> None:
+    def __init__(self, seconds: float, clock=time.perf_counter, known: dict | None = None) -> None:
         self.seconds, self.clock, self.start = seconds, clock, clock()
-        self.longest: dict[str, float] = {}
+        self.longest: dict[str, float] = dict(known or {})  # seconds per kind, before any is measured
         self.skipped: list[dict] = []
 
     def left(self) -> float:
@@ -501,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         print(loss_report(loss))
         return _write_checked(result, "gpu_quick_loss", device, args.out)
     parts, result = set(args.parts), _header(device, args.rounds)
-    budget = Budget(args.budget)
+    budget = Budget(args.budget, known=PART_SECONDS)
     step_fns = None
 
     def write(partial: dict) -> None:  # after each part: a run stopped at its time limit keeps them

@@ -129,3 +129,12 @@ def test_steps_left_out_by_the_budget_are_listed_and_the_rest_measured(monkeypat
 def test_refuses_a_budget_that_is_not_positive():
     proc = _run("--small", "--budget", "0")
     assert proc.returncode == 2 and "--budget must be a positive number of seconds" in proc.stderr
+
+
+def test_budget_judges_a_part_not_yet_run_by_its_known_seconds():
+    clock = _Clock()
+    budget = gpu_quick.Budget(100.0, clock=clock, known={"part step": 67.0})
+    clock.now = 40.0
+    assert not budget.allows("part step", "part step")  # 60 s left: the known 67 s would not fit
+    assert budget.allows("part host", "part host")  # nothing known of it
+    assert set(gpu_quick.PART_SECONDS) == {f"part {p}" for p in gpu_quick.PARTS if p != "steps"}
