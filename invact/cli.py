@@ -18,27 +18,21 @@ import sys
 import textwrap
 from pathlib import Path
 
+from invact.plan_options import (
+    DEFAULT_IMAGE_SIDE,
+    DEFAULT_RANK,
+    DEFAULT_RECIPES,
+    DEVICES,
+    DTYPE_NAMES,
+    RECIPE_LABELS,
+    SEQ_MULTIPLE,
+    read_size,
+)
+
 ERROR_STATUS = 2  # bad input, as argparse's own usage errors
 PROG = "invact plan"
 
-# What the parser and the checks before the run need of invact.planner's and invact.step_peak's names,
-# copied here: those modules import torch. tests/invact/test_cli_errors.py checks each copy against its
-# source.
-_DTYPES = ("float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")  # planner.DTYPES
-_SIDE = 448  # planner.DEFAULT_IMAGE_SIDE: the default side of the images of a tower that takes any size
-_SEQ_MULTIPLE = 128  # step_peak.SEQ_MULTIPLE: --fits searches sequences in multiples of it
-_RECIPES = {  # step_peak.RECIPES: name -> label
-    "bf16": "full fine-tuning in bf16 (weights, gradients, AdamW state)",
-    "mixed": "mixed precision: fp32 weights, autocast to bf16, AdamW in fp32",
-    "lora": "LoRA: frozen bf16 base, bf16 adapters on every Linear but the head",
-}
-_DEFAULT_RECIPES = ("bf16", "lora")  # step_peak.DEFAULT_RECIPES
-_DEFAULT_RANK = 16  # step_peak.DEFAULT_RANK
-_DEVICES = ("cuda", "cpu")  # step_peak.DEVICES
-# step_peak._UNITS and _SIZE: how parse_size reads --fits
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+_SIDE = DEFAULT_IMAGE_SIDE  # short, for the help texts' lines
 
 # The options that take a value: a value that looks negative ("--fits -5GiB") is taken as theirs and
 # refused by their check with the reason, not by argparse as a missing value.
@@ -122,7 +116,7 @@ backward buffers and AdamW's temporaries, each where the step holds them. Recipe
 and AdamW's state in bf16; "lora", a frozen bf16 base with PEFT's LoRA adapters (bf16, --rank,
 alpha 2 x rank, dropout 0) on every Linear but the head, AdamW on the adapters (needs peft).
 Checkpointing: Hugging Face's (activation_checkpointing_enable, torch's non-reentrant checkpoint
-around each decoder layer). --fits searches the longest sequence in multiples of {_SEQ_MULTIPLE} tokens
+around each decoder layer). --fits searches the longest sequence in multiples of {SEQ_MULTIPLE} tokens
 up to the config's max_position_embeddings (">=" where that fits) at --batch (default 1), or with
 --seq instead the largest batch (give one of them: the other is what it searches); "none" where not
 even the smallest fits. The output's second line says which it searched. Give --fits what PyTorch
@@ -181,17 +175,12 @@ def _non_negative(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    """--fits: the bytes of a size such as 24GiB, 80GB, 24G (binary) or 25769803776, read as
-    step_peak.parse_size reads it."""
-    match = _SIZE.fullmatch(text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    size = None if not match or unit is None else int(float(match.group(1)) * unit)
-    if text.strip().startswith("-") or size == 0:
-        raise argparse.ArgumentTypeError(f"must be a positive size like 24GiB, got {text!r}")
-    if size is None:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size: write it as 24GiB, 80GB, 24G "
-                                         "(binary) or bytes")  # fmt: skip
-    return size
+    """--fits: the bytes of a size such as 24GiB, 80GB, 24G (binary) or 25769803776
+    (invact.plan_options.read_size, as the planner reads it)."""
+    try:
+        return read_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _version() -> str:
@@ -255,7 +244,7 @@ def _parser() -> argparse.ArgumentParser:
         "config's max_position_embeddings: a warning)",
     )
     plan.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
-                      help=f"the model's dtype: {', '.join(_DTYPES)} (default: bfloat16)")  # fmt: skip
+                      help=f"the model's dtype: {', '.join(DTYPE_NAMES)} (default: bfloat16)")  # fmt: skip
     plan.add_argument("--no-gated", dest="gated", action="store_false",
                       help="patch(gated=False): replace the activations only, keep gated MLPs' products "
                            "(default: the gated path, patch()'s default)")  # fmt: skip
@@ -286,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_size,
         metavar="SIZE",
         help="the memory the step must fit in (24GiB, 80GB, 24G = GiB, or bytes): print the longest "
-        f"sequence (a multiple of {_SEQ_MULTIPLE}) that fits at --batch (default 1), or with "
+        f"sequence (a multiple of {SEQ_MULTIPLE}) that fits at --batch (default 1), or with "
         "--seq instead the largest batch, eager and patch(), without and with checkpointing, "
         "per recipe",
     )
@@ -306,19 +295,19 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--recipe",
         nargs="+",
-        choices=[*_RECIPES, "all"],
-        default=list(_DEFAULT_RECIPES),
+        choices=[*RECIPE_LABELS, "all"],
+        default=list(DEFAULT_RECIPES),
         metavar="R",
         help="the recipes: "
-        + "; ".join(f"{name}: {label}" for name, label in _RECIPES.items())
-        + f"; all: every one (default: {' '.join(_DEFAULT_RECIPES)})",
+        + "; ".join(f"{name}: {label}" for name, label in RECIPE_LABELS.items())
+        + f"; all: every one (default: {' '.join(DEFAULT_RECIPES)})",
     )
     step.add_argument(
         "--rank",
         type=_positive,
-        default=_DEFAULT_RANK,
+        default=DEFAULT_RANK,
         metavar="R",
-        help=f"the LoRA rank (default {_DEFAULT_RANK})",
+        help=f"the LoRA rank (default {DEFAULT_RANK})",
     )
     step.add_argument(
         "--gpus",
@@ -336,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     step.add_argument(
         "--device",
-        choices=list(_DEVICES),
+        choices=list(DEVICES),
         default="cuda",
         help="the device the step is planned for: invact's loss computes blocks of its size (default cuda)",
     )
@@ -498,8 +487,8 @@ def _check_arguments(args) -> None:
         for name in ("batch", "seq"):
             if getattr(args, name) is None:
                 _fail(PROG, f"the following argument is required: --{name} (or --fits)")
-        if args.dtype.lower().removeprefix("torch.") not in _DTYPES:
-            _fail(PROG, f"unknown dtype {args.dtype!r} (choose from {', '.join(_DTYPES)})")
+        if args.dtype.lower().removeprefix("torch.") not in DTYPE_NAMES:
+            _fail(PROG, f"unknown dtype {args.dtype!r} (choose from {', '.join(DTYPE_NAMES)})")
         return
     if args.dtype.lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
         _fail(PROG, "--step, --explain, --fits and --gpus plan bf16 recipes: leave --dtype at bfloat16")
@@ -608,7 +597,7 @@ def format_step(result: dict, explain: bool = False) -> str:
         )
     if searched == "seq":
         lines.append(
-            f"the longest sequence (a multiple of {_SEQ_MULTIPLE}, at most {result['cap']}) at batch "
+            f"the longest sequence (a multiple of {SEQ_MULTIPLE}, at most {result['cap']}) at batch "
             f"{result['batch']} whose training step fits in {_bytes(result['fits_bytes'])}"
         )
     elif searched == "batch":
@@ -728,8 +717,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # The names this module took from invact.planner and invact.step_peak before the command deferred their
 # import (torch): each imports its module when asked for.
-_PLANNER_NAMES = ("KINDS", "DTYPES", "PlanError", "DEFAULT_IMAGE_SIDE")
-_STEP_NAMES = ("RECIPES", "TERMS", "SEQ_MULTIPLE", "DEFAULT_RANK", "DEFAULT_RECIPES", "DEVICES")
+_PLANNER_NAMES = ("KINDS", "DTYPES", "PlanError")
+_STEP_NAMES = ("RECIPES", "TERMS")
 
 
 def __getattr__(name: str):

@@ -58,18 +58,10 @@ from invact.activation.modules import InvAct
 from invact.loss import output_head
 from invact.memory import count_saved
 from invact.mlp.gated import multiply
+from invact.plan_options import DEFAULT_IMAGE_SIDE, DTYPE_NAMES
 
 # dtype names the planner takes -> torch dtype
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 
 # kind -> label, in the order reports list them
 KINDS: dict[str, str] = {
@@ -91,10 +83,6 @@ KINDS: dict[str, str] = {
 # kind's (the head and loss excepted) under this prefix.
 VISION = "vision_"
 
-# The side, in pixels, of the square images a tower without a fixed image size (Qwen2-VL's and
-# Qwen2.5-VL's: any multiple of patch x merge) gets unless image_size says otherwise: 448 x 448 is a
-# (1, 32, 32) grid of 14-pixel patches, 256 tokens after the 2 x 2 merge.
-DEFAULT_IMAGE_SIDE = 448
 
 _NORM = re.compile(r"norm", re.IGNORECASE)
 _ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import warnings
 from collections.abc import Iterable
 
@@ -49,6 +48,14 @@ import invact
 from invact._autocast import Autocast
 from invact._meta import standing_for
 from invact._meta_outputs import MetaOutputs
+from invact.plan_options import (
+    DEFAULT_RANK,
+    DEFAULT_RECIPES,
+    DEVICES,
+    RECIPE_LABELS,
+    SEQ_MULTIPLE,
+    read_size,
+)
 from invact.planner import (
     PlanError,
     _output_tensors,
@@ -82,25 +89,21 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("bf16", "full fine-tuning in bf16 (weights, gradients, AdamW state)", torch.bfloat16),
+        Recipe("bf16", RECIPE_LABELS["bf16"], torch.bfloat16),
         Recipe(
             "mixed",
-            "mixed precision: fp32 weights, autocast to bf16, AdamW in fp32",
+            RECIPE_LABELS["mixed"],
             torch.float32,
             autocast=torch.bfloat16,
         ),  # fmt: skip
         Recipe(
             "lora",
-            "LoRA: frozen bf16 base, bf16 adapters on every Linear but the head",
+            RECIPE_LABELS["lora"],
             torch.bfloat16,
             lora=True,
         ),  # fmt: skip
     )
 }
-# The recipes planned unless others are asked for: full fine-tuning and LoRA, in bf16 (mixed precision
-# adds half again to --fits' time: 35 s against 24 s for the Llama-3.2-1B shape on a 2-core Xeon)
-DEFAULT_RECIPES = ("bf16", "lora")
-DEFAULT_RANK = 16  # LoRA rank where none is given: PEFT's LoraConfig default is 8; 16 is common in recipes
 
 # The terms of a peak, in the order --explain lists them: key -> what the bytes are.
 TERMS: dict[str, str] = {
@@ -294,10 +297,6 @@ class LiveBytes(TorchDispatchMode):
         self.live.clear()
 
 
-# The device types a step is planned for: what the meta step does where invact's ops pick by device.
-DEVICES = ("cuda", "cpu")
-
-
 def _enable_checkpointing(model: nn.Module, context_fn=None) -> None:
     """Hugging Face's gradient checkpointing as training code turns it on (transformers 5:
     activation_checkpointing_enable; before: gradient_checkpointing_enable), torch's non-reentrant
@@ -481,14 +480,6 @@ class Step:
         return next(self.model.parameters()).is_meta
 
 
-# --fits sizes: binary units (KiB, MiB, GiB, TiB; K, M, G, T taken as binary, as nvidia-smi's MiB), decimal
-# ones (KB, MB, GB, TB) and plain bytes
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-
-# The longest sequence is searched in multiples of this many tokens (a batch in ones).
-SEQ_MULTIPLE = 128
 # The longest sequence searched where the config gives no max_position_embeddings: 2^20 tokens.
 SEQ_CAP = 2**20
 # The largest batch searched.
@@ -496,16 +487,12 @@ BATCH_CAP = 2**14
 
 
 def parse_size(text: str) -> int:
-    """Bytes of a size such as "24GiB", "80 GB", "24G" (binary), "1.5TiB" or "25769803776"; PlanError
-    for anything else or a size that is not positive."""
-    match = _SIZE.fullmatch(str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not match or unit is None:
-        raise PlanError(f"cannot read {text!r} as a size: write it as 24GiB, 80GB, 24G (binary) or bytes")
-    size = int(float(match.group(1)) * unit)
-    if size <= 0:
-        raise PlanError(f"a size must be positive, got {text!r}")
-    return size
+    """Bytes of a size such as "24GiB", "80 GB", "24G" (binary), "1.5TiB" or "25769803776"
+    (invact.plan_options.read_size); PlanError for anything else or a size that is not positive."""
+    try:
+        return read_size(text)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def largest(peak, budget: int, step: int, cap: int) -> tuple[int, dict, int]:

@@ -132,17 +132,16 @@ def test_the_top_level_help_lists_the_commands_and_what_fits_answers():
         assert text in done.stdout, text
 
 
-def test_the_commands_copies_are_the_planners():
-    """invact.cli copies the names its parser and checks show from the planner (which imports torch)."""
-    from invact import cli, planner, step_peak
+def test_the_planners_names_are_the_commands():
+    """invact.cli, invact.planner and invact.step_peak take the names `invact plan` accepts from one
+    torch-free module (invact.plan_options): the planner's dtypes and recipes are those names."""
+    from invact import cli, plan_options, planner, step_peak
 
-    assert cli._DTYPES == tuple(planner.DTYPES)
-    assert cli._SIDE == planner.DEFAULT_IMAGE_SIDE
-    assert cli._SEQ_MULTIPLE == step_peak.SEQ_MULTIPLE
-    assert cli._RECIPES == {name: r.label for name, r in step_peak.RECIPES.items()}
-    assert cli._DEFAULT_RECIPES == step_peak.DEFAULT_RECIPES and cli._DEFAULT_RANK == step_peak.DEFAULT_RANK
-    assert cli._DEVICES == step_peak.DEVICES
-    assert cli._UNITS == step_peak._UNITS and cli._SIZE.pattern == step_peak._SIZE.pattern
+    assert set(planner.DTYPES) == set(plan_options.DTYPE_NAMES)
+    assert all(str(planner.DTYPES[k]) == f"torch.{v}" for k, v in plan_options.DTYPE_NAMES.items())
+    assert {name: r.label for name, r in step_peak.RECIPES.items()} == plan_options.RECIPE_LABELS
+    assert planner.DEFAULT_IMAGE_SIDE is plan_options.DEFAULT_IMAGE_SIDE
+    assert step_peak.SEQ_MULTIPLE is cli.SEQ_MULTIPLE is plan_options.SEQ_MULTIPLE
     assert cli.KINDS is planner.KINDS  # the name cli.__all__ has kept
 
 

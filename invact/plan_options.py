@@ -1,0 +1,65 @@
+"""What `invact plan` accepts, without torch: the dtype names, the default image side, the recipes'
+names and labels, the devices, the step of the sequence search and how a size such as 24GiB is read.
+invact.cli checks a command's arguments against these before torch loads (a bad one answers in one
+line, at once); invact.planner and invact.step_peak build their torch objects from the same names."""
+
+from __future__ import annotations
+
+import re
+
+# dtype names the planner takes -> the torch dtype's name (invact.planner.DTYPES maps them to dtypes)
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+# The side, in pixels, of the square images a tower without a fixed image size (Qwen2-VL's and
+# Qwen2.5-VL's: any multiple of patch x merge) gets unless image_size says otherwise: 448 x 448 is a
+# (1, 32, 32) grid of 14-pixel patches, 256 tokens after the 2 x 2 merge.
+DEFAULT_IMAGE_SIDE = 448
+
+# The training recipes a step is planned for: name -> what it trains (invact.step_peak.RECIPES adds
+# the dtypes).
+RECIPE_LABELS: dict[str, str] = {
+    "bf16": "full fine-tuning in bf16 (weights, gradients, AdamW state)",
+    "mixed": "mixed precision: fp32 weights, autocast to bf16, AdamW in fp32",
+    "lora": "LoRA: frozen bf16 base, bf16 adapters on every Linear but the head",
+}
+# The recipes planned unless others are asked for: full fine-tuning and LoRA, in bf16 (mixed precision
+# adds half again to --fits' time: 35 s against 24 s for the Llama-3.2-1B shape on a 2-core Xeon)
+DEFAULT_RECIPES = ("bf16", "lora")
+DEFAULT_RANK = 16  # LoRA rank where none is given: PEFT's LoraConfig default is 8; 16 is common in recipes
+
+# The device types a step is planned for: what the meta step does where invact's ops pick by device.
+DEVICES = ("cuda", "cpu")
+
+# The longest sequence is searched in multiples of this many tokens (a batch in ones).
+SEQ_MULTIPLE = 128
+
+# Sizes: binary units (KiB, MiB, GiB, TiB; K, M, G, T taken as binary, as nvidia-smi's MiB), decimal
+# ones (KB, MB, GB, TB) and plain bytes
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def read_size(text: str) -> int:
+    """Bytes of a size such as "24GiB", "80 GB", "24G" (binary), "1.5TiB" or "25769803776"; ValueError,
+    in words for a person, for anything else or a size that is not positive."""
+    text = str(text)
+    if text.strip().startswith("-"):
+        raise ValueError(f"must be a positive size like 24GiB, got {text!r}")
+    match = _SIZE.fullmatch(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ValueError(f"cannot read {text!r} as a size: write it as 24GiB, 80GB, 24G (binary) or bytes")
+    size = int(float(match.group(1)) * unit)
+    if size <= 0:
+        raise ValueError(f"must be a positive size like 24GiB, got {text!r}")
+    return size
