@@ -1,8 +1,9 @@
 """Static cost of the Triton kernels on an H100, from any machine: each kernel is compiled for sm_90
 (Triton's compiler and the ptxas it ships need no GPU) as a launch specializes it (pointers 16-byte
 aligned, as torch allocates them), disassembled with the nvdisasm it ships, and its SASS instructions are
-counted per element. The kernels are straight-line code, each thread handling block / (32 num_warps)
-elements once, so the count per element is the count over that.
+counted per element (the activation's forward and backward, and the gated MLP's two kernels, which do
+the activation's work and the product's). The kernels are straight-line code, each thread handling
+block / (32 num_warps) elements once, so the count per element is the count over that.
 
 The budget beside it: how many instructions per element the GPU can issue in the time its memory
 moves the kernel's bytes (the same-bytes copy's GB/s measured by benchmarks/tune.py, read from
@@ -65,11 +66,16 @@ def sass_counts(cubin: bytes) -> collections.Counter:
     return collections.Counter(opcodes)
 
 
+# The tensors of a kernel's element size each element moves: forward reads x, writes y; backward reads
+# y and dy, writes dx; the gated MLP's forward reads g and u, writes y and h = y * u; its backward reads
+# y, u and dh, writes dg and du.
+TENSORS = {"forward": 2, "backward": 3, "gated_forward": 4, "gated_backward": 5}
+
+
 def bytes_per_element(kernel: str, element_size: int, saves_bits: bool) -> float:
-    """What the kernel must move per element: forward reads x, writes y (and an eighth of a byte of
-    bits); backward reads y and dy, writes dx (and reads the bits)."""
-    tensors = 2 if kernel == "forward" else 3
-    return tensors * element_size + (0.125 if saves_bits else 0.0)
+    """What the kernel must move per element: its TENSORS and an eighth of a byte of bits (written
+    forward, read backward) where it saves them."""
+    return TENSORS[kernel] * element_size + (0.125 if saves_bits else 0.0)
 
 
 def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) -> list[dict]:
@@ -79,8 +85,8 @@ def measure(names: list[str], copy_gbps: dict[str, float], tails: bool = False) 
     rows = []
     for name in names:
         act = ACTIVATIONS[name]
-        for kernel in ("forward", "backward"):
-            config = _triton.CONFIGS[kernel]
+        for kernel in _triton.KERNELS:
+            config = _triton.CONFIGS[kernel.removeprefix("gated_")]
             per_thread = config.block // (32 * config.num_warps)
             variants = itertools.product(DTYPES.items(), MASKS if tails else MASKS[:2])
             for (dtype_name, dtype), masks in variants:

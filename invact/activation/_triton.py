@@ -79,13 +79,11 @@ def _store(pointers, values, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr, PRECISION_BIT: tl.constexpr,
-                    MONOTONE: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK: tl.constexpr):  # fmt: skip
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    rest = tl.minimum(n - start, BLOCK).to(tl.int32)
-    offs, x_ptr, y_ptr = _offsets(BLOCK), x_ptr + start, y_ptr + start
-    mask = _mask(offs, rest, ROWS, BLOCK)
+def _y_and_bits(x_ptr, y_ptr, bits_ptr, start, rest, offs, mask, T: tl.constexpr, FN: tl.constexpr,
+                PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """y = f(x) of a program's block in y's dtype, its low bit the branch in precision-bit mode; the
+    block's bits stored (bits mode); y returned, not stored."""
     x = _load(x_ptr + offs, mask, EVEN, ROWS).to(tl.float32)
     left = x < T  # masked lanes hold 0 > T: never set a bit
     y = FN(x).to(y_ptr.dtype.element_ty)
@@ -98,18 +96,44 @@ def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr
         packed = tl.sum(left.to(tl.int32) << tl.arange(0, 8)[None, :], axis=1).to(tl.uint8)
         boffs = tl.arange(0, BLOCK // 8)
         _store(bits_ptr + start // 8 + boffs, packed, boffs < (rest + 7) // 8, EVEN)
+    return y
+
+
+@triton.jit
+def _forward_kernel(x_ptr, y_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr, PRECISION_BIT: tl.constexpr,
+                    MONOTONE: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    rest = tl.minimum(n - start, BLOCK).to(tl.int32)
+    offs, x_ptr, y_ptr = _offsets(BLOCK), x_ptr + start, y_ptr + start
+    mask = _mask(offs, rest, ROWS, BLOCK)
+    y = _y_and_bits(x_ptr, y_ptr, bits_ptr, start, rest, offs, mask, T, FN, PRECISION_BIT, MONOTONE, EVEN,
+                    ROWS, BLOCK)  # fmt: skip
     _store(y_ptr + offs, y, mask, EVEN)
 
 
 @triton.jit
-def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: tl.constexpr,
-                     PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, EVEN: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _gated_forward_kernel(x_ptr, u_ptr, y_ptr, h_ptr, bits_ptr, n, T: tl.constexpr, FN: tl.constexpr,
+                          PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, EVEN: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """_forward_kernel on the gate x, and the gated product h = y * u of y as stored (its precision bit
+    included): fp32 product rounded once to h's dtype, as torch's multiply of two such tensors."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
     rest = tl.minimum(n - start, BLOCK).to(tl.int32)
-    offs, y_ptr, dy_ptr, dx_ptr = _offsets(BLOCK), y_ptr + start, dy_ptr + start, dx_ptr + start
+    offs, x_ptr, y_ptr = _offsets(BLOCK), x_ptr + start, y_ptr + start
+    u_ptr, h_ptr = u_ptr + start, h_ptr + start
     mask = _mask(offs, rest, ROWS, BLOCK)
-    y_raw = _load(y_ptr + offs, mask, EVEN, ROWS)
+    y = _y_and_bits(x_ptr, y_ptr, bits_ptr, start, rest, offs, mask, T, FN, PRECISION_BIT, MONOTONE, EVEN,
+                    ROWS, BLOCK)  # fmt: skip
+    _store(y_ptr + offs, y, mask, EVEN)
+    u = _load(u_ptr + offs, mask, EVEN, ROWS).to(tl.float32)
+    _store(h_ptr + offs, (y.to(tl.float32) * u).to(h_ptr.dtype.element_ty), mask, EVEN)
+
+
+@triton.jit
+def _q(y_raw, bits_ptr, start, rest, QL: tl.constexpr, QR: tl.constexpr, PRECISION_BIT: tl.constexpr,
+       MONOTONE: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """q(y, bit) in fp32 for a program's block of y as loaded (its dtype: the precision bit's)."""
     y = y_raw.to(tl.float32)
     if MONOTONE:  # one branch, no bit; q itself at y = +-inf (x = +-inf), NaN stays NaN
         q = tl.where(y == y, QR(y), float("nan"))
@@ -122,8 +146,43 @@ def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: t
             left = ((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1) != 0
         q = tl.where(left, QL(y), QR(y))
         q = tl.where(tl.abs(y) < float("inf"), q, float("nan"))  # y = +-inf or NaN: NaN, as torch
+    return q
+
+
+@triton.jit
+def _backward_kernel(y_ptr, bits_ptr, dy_ptr, dx_ptr, n, QL: tl.constexpr, QR: tl.constexpr,
+                     PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr, EVEN: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    rest = tl.minimum(n - start, BLOCK).to(tl.int32)
+    offs, y_ptr, dy_ptr, dx_ptr = _offsets(BLOCK), y_ptr + start, dy_ptr + start, dx_ptr + start
+    mask = _mask(offs, rest, ROWS, BLOCK)
+    y_raw = _load(y_ptr + offs, mask, EVEN, ROWS)
+    q = _q(y_raw, bits_ptr, start, rest, QL, QR, PRECISION_BIT, MONOTONE, EVEN, ROWS, BLOCK)
     dy = _load(dy_ptr + offs, mask, EVEN, ROWS).to(tl.float32)
     _store(dx_ptr + offs, (dy * q).to(dx_ptr.dtype.element_ty), mask, EVEN)
+
+
+@triton.jit
+def _gated_backward_kernel(y_ptr, bits_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, QL: tl.constexpr,
+                           QR: tl.constexpr, PRECISION_BIT: tl.constexpr, MONOTONE: tl.constexpr,
+                           EVEN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The gated product h = y * u's backward and the activation's, in one pass: dy = dh * u rounded to
+    its dtype (the multiply's gradient as torch computes it), dg = q(y, bit) dy as _backward_kernel,
+    du = dh * y rounded to its dtype."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    rest = tl.minimum(n - start, BLOCK).to(tl.int32)
+    offs = _offsets(BLOCK)
+    y_ptr, u_ptr, dh_ptr = y_ptr + start, u_ptr + start, dh_ptr + start
+    dg_ptr, du_ptr = dg_ptr + start, du_ptr + start
+    mask = _mask(offs, rest, ROWS, BLOCK)
+    y_raw = _load(y_ptr + offs, mask, EVEN, ROWS)
+    q = _q(y_raw, bits_ptr, start, rest, QL, QR, PRECISION_BIT, MONOTONE, EVEN, ROWS, BLOCK)
+    dh = _load(dh_ptr + offs, mask, EVEN, ROWS).to(tl.float32)
+    u = _load(u_ptr + offs, mask, EVEN, ROWS).to(tl.float32)
+    dy = (dh * u).to(dg_ptr.dtype.element_ty).to(tl.float32)
+    _store(dg_ptr + offs, (dy * q).to(dg_ptr.dtype.element_ty), mask, EVEN)
+    _store(du_ptr + offs, (dh * y_raw.to(tl.float32)).to(du_ptr.dtype.element_ty), mask, EVEN)
 
 
 @dataclass(frozen=True)
@@ -222,22 +281,28 @@ def backward_constexprs(act: Activation, precision_bit: bool, dtype: torch.dtype
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
+# The kernels by name: the activation's forward and backward, and the gated MLP's (the activation with
+# the product y * u and its gradients: invact.mlp's eager Function on CUDA).
+KERNELS = {"forward": _forward_kernel, "backward": _backward_kernel, "gated_forward": _gated_forward_kernel,
+           "gated_backward": _gated_backward_kernel}  # fmt: skip
+
 
 def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit: bool, arch: int = 90,
                 index: str = "i32", even: bool = True, rows: bool = True):  # fmt: skip
-    """Triton's compiled kernel ("forward" or "backward") for `act` on tensors of `dtype`, built for
+    """Triton's compiled kernel (a name of KERNELS) for `act` on tensors of `dtype`, built for
     NVIDIA compute capability `arch` (90: H100/H200, 80: A100) as the launches specialize it, with n
     of type `index` ("i64" past 2^31 elements), a multiple of the block (`even`, no masks) or not, and
     then a multiple of 8 (`rows`: masks per row of 8) or not (masks per element).
     Needs no GPU (Triton's compiler and the ptxas it ships
     run on the CPU), but the real compiler: not under TRITON_INTERPRET=1. Its .asm holds the PTX and
     the cubin."""
-    function = {"forward": _forward_kernel, "backward": _backward_kernel}[kernel]
-    if kernel == "forward":
+    function = KERNELS[kernel]
+    config = CONFIGS[kernel.removeprefix("gated_")]  # the gated kernels launch as their plain ones
+    if kernel.endswith("forward"):
         constexprs = forward_constexprs(act, precision_bit)
     else:
         constexprs = backward_constexprs(act, precision_bit, dtype)
-    constexprs["EVEN"], constexprs["ROWS"], constexprs["BLOCK"] = even, even or rows, CONFIGS[kernel].block
+    constexprs["EVEN"], constexprs["ROWS"], constexprs["BLOCK"] = even, even or rows, config.block
     signature = {}
     for arg in function.arg_names:
         if arg in constexprs:
@@ -250,7 +315,7 @@ def compile_for(kernel: str, act: Activation, dtype: torch.dtype, precision_bit:
     # 16-byte aligned (torch's allocations are), and n divisible by 16 when it fills whole blocks.
     # Without it the compiler may not assume aligned addresses and loads one element at a time.
     aligned = [i for i, arg in enumerate(function.arg_names) if arg.endswith("_ptr") or (arg == "n" and even)]
-    return build(function, signature, constexprs, aligned, CONFIGS[kernel].num_warps, arch)
+    return build(function, signature, constexprs, aligned, config.num_warps, arch)
 
 
 def forward(act: Activation, x: torch.Tensor, precision_bit: bool, config: Config | None = None
@@ -277,3 +342,34 @@ def backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, dy: torch.Ten
         constexprs = backward_constexprs(act, precision_bit, y.dtype)
         _launch(_backward_kernel, config or CONFIGS["backward"], n, y, bits, dy, dx, **constexprs)
     return dx
+
+
+def gated_forward(act: Activation, g: torch.Tensor, u: torch.Tensor, precision_bit: bool,
+                  config: Config | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """(y, bits, h) for a gated MLP's gate g and up projection u (contiguous, one shape and dtype): y and
+    the bits as forward() makes them, and h = y * u as torch multiplies them (fp32 product rounded once),
+    in one pass: it reads g and u and writes y, h and the bits, where forward() and a multiply read y
+    back. `config`: CONFIGS["forward"] unless given."""
+    y, h = torch.empty_like(g), torch.empty_like(g)
+    n = g.numel()
+    saves_bits = not (precision_bit or act.monotone)
+    bits = torch.empty((n + 7) // 8 if saves_bits else 0, dtype=torch.uint8, device=g.device)
+    if n:
+        constexprs = forward_constexprs(act, precision_bit)
+        _launch(_gated_forward_kernel, config or CONFIGS["forward"], n, g.view(-1), u.view(-1), y.view(-1),
+                h.view(-1), bits, **constexprs)  # fmt: skip
+    return y, bits, h
+
+
+def gated_backward(act: Activation, y: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, dh: torch.Tensor,
+                   precision_bit: bool, config: Config | None = None) -> tuple:  # fmt: skip
+    """(dg, du) of h = act(g) * u from dh (y, u and dh contiguous, one shape and dtype): dg = q(y, bit)
+    (dh * u), the product rounded to dh's dtype first as torch's multiply and backward() do, and
+    du = dh * y, in one pass over y, the bits, u and dh. `config`: CONFIGS["backward"] unless given."""
+    dg, du = torch.empty_like(dh), torch.empty_like(dh)
+    n = y.numel()
+    if n:
+        constexprs = backward_constexprs(act, precision_bit, y.dtype)
+        _launch(_gated_backward_kernel, config or CONFIGS["backward"], n, y.view(-1), bits, u.view(-1),
+                dh.view(-1), dg.view(-1), du.view(-1), **constexprs)  # fmt: skip
+    return dg, du

@@ -4,7 +4,11 @@ invact::gate_up_linear (each with its backward op and its body in a compiled gra
 gated MLP runs under torch.compile. Which modules run them, and when, is invact.mlp.
 
 Forward: F.linear for the projections, invact's forward for act (the backend InvAct's eager path
-takes), a multiply: the modules' own ops on the same operands, so the output is bitwise theirs.
+takes), a multiply: the modules' own ops on the same operands, so the output is bitwise theirs. On the
+Triton backend (CUDA) the gated form's act and multiply are one kernel (invact.activation.ops.gated_y),
+and in backward its dy = dh * u, q(y, bit) dy and du = dh * y another (gated_dx): the same roundings,
+bitwise (tests/invact/test_triton.py), each reading its operands once (benchmarks/kernel_sass.py: 8 and
+10 bytes an element in bf16 where the separate kernels move 10 and 18).
 Backward: the ops torch's autograd runs for these modules (aten's derivatives of addmm/mm and mul,
 torch 2.13: for F.linear(x, W, b) on the rows x2 = x.reshape(-1, k), dx = dout2 W, dW = dout2^T x2
 (mm_mat2_backward's branch for the column-major W.t()), db = dout2 summed over rows; the multiply's
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 
 from invact._traced import trace_as
 from invact.activation.activations import ACTIVATIONS
-from invact.activation.ops import _eager_backends, direct_backward, plain_dx
+from invact.activation.ops import _eager_backends, direct_backward, gated_dx, gated_y, plain_dx
 from invact.mlp import experts
 
 
@@ -51,8 +55,13 @@ class _MLP(torch.autograd.Function):
         u = F.linear(rows, w_up, b_up)
         g = u if w_gate is None else F.linear(rows, w_gate, b_gate)
         forward, backward = _eager_backends(g)
-        y, bits = forward.forward(act, g, precision_bit)
-        out = F.linear(y if w_gate is None else y * u, w_down, b_down)
+        if w_gate is None:
+            y, bits = forward.forward(act, g, precision_bit)
+            h = y
+        else:
+            y, bits, h = gated_y(act, precision_bit, forward, g, u)
+        out = F.linear(h, w_down, b_down)
+        del h
         ctx.set_materialize_grads(False)  # no zero gradient built for an output nobody differentiates
         ctx.act, ctx.precision_bit, ctx.backend, ctx.up_first = act, precision_bit, backward, up_first
         ctx.x_dtype = x.dtype
@@ -89,7 +98,11 @@ class _MLP(torch.autograd.Function):
         dh = dout.mm(w_down)
         if bits is None:
             bits = y.new_empty(0, dtype=torch.uint8)
-        dg = plain_dx(ctx.act, ctx.precision_bit, ctx.backend, y, bits, dh * u if gated else dh)
+        if gated:  # du here where one kernel makes it with dg (dh is then done with), else below
+            dg, du = gated_dx(ctx.act, ctx.precision_bit, ctx.backend, y, bits, u, dh)
+            dh = dh if du is None else None
+        else:
+            dg = plain_dx(ctx.act, ctx.precision_bit, ctx.backend, y, bits, dh)
         w_g = w_gate if gated else w_up
         d_w_g = dg.t().mm(rows) if (need_w_gate if gated else need_w_up) else None
         d_b_g = dg.sum(0) if (need_b_gate if gated else need_b_up) else None
@@ -99,7 +112,8 @@ class _MLP(torch.autograd.Function):
         if not gated:
             grads = dx, None, d_w_g, d_b_g, None, None, d_w_down, d_b_down
             return (*(_cast_back(grads, x_dtype, w_dtype) if ctx.cast else grads), None, None, None, None)
-        du = dh * y
+        if du is None:
+            du = dh * y
         d_w_up = du.t().mm(rows) if need_w_up else None
         d_b_up = du.sum(0) if need_b_up else None
         dx_up = du.mm(w_up) if need_x else None

@@ -1,10 +1,10 @@
 """Every Triton kernel within the H100's issue budget: benchmarks/kernel_sass.py compiles each kernel
-(forward and backward, every activation, fp32, bf16 and fp16, unmasked for n a multiple of the block
-and masked by rows of 8 for n a multiple of 8) for sm_90 on this CPU, counts its SASS
-instructions per element and predicts its GB/s from the copy measured on the H100 (results/tune_*.json).
-A kernel predicted below MEMORY_BOUND of the copy is compute-bound there and fails here, in CI, before
-any GPU run. One subprocess without TRITON_INTERPRET (the compiler refuses the interpreter's functions)
-writes the table; a test per kernel reads its row."""
+(the activation's forward and backward and the gated MLP's two, every activation, fp32, bf16 and fp16,
+unmasked for n a multiple of the block and masked by rows of 8 for n a multiple of 8) for sm_90 on this
+CPU, counts its SASS instructions per element and predicts its GB/s from the copy measured on the H100
+(results/tune_*.json). A kernel predicted below MEMORY_BOUND of the copy is compute-bound there and
+fails here, in CI, before any GPU run. One subprocess without TRITON_INTERPRET (the compiler refuses
+the interpreter's functions) writes the table; a test per kernel reads its row."""
 
 import json
 import os
@@ -21,7 +21,9 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kernel_sass import norm_kernels  # noqa: E402
+from kernel_sass import TENSORS, norm_kernels  # noqa: E402
+
+from invact.activation import _triton  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The share of the same-bytes copy's GB/s a kernel must be predicted at. InvAct's claim is speed at no
@@ -33,7 +35,7 @@ MEMORY_BOUND = 0.95
 CASES = [
     (name, kernel, dtype, masks)
     for name in sorted(ACTIVATIONS)
-    for kernel in ("forward", "backward")
+    for kernel in _triton.KERNELS  # the activation's forward and backward, the gated MLP's two
     for dtype in DTYPES
     for masks in ("none", "rows")
 ]
@@ -76,3 +78,7 @@ def test_norm_backward_is_memory_bound_on_the_h100(rows, label, dtype):
         f"{r['instructions_per_element']:.0f} instructions per element, budget {r['budget_per_element']:.1f}"
     )
     assert share >= MEMORY_BOUND, f"{share:.0%} of the copy: {explain}, top {r['top_opcodes']}"
+
+
+def test_every_kernel_has_its_bytes():
+    assert set(TENSORS) == set(_triton.KERNELS)

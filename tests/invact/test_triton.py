@@ -140,3 +140,92 @@ def test_more_than_2_31_elements():
     # Both compute q in fp32 and round once to bf16: equal to one bf16 ulp (2^-8 relative); the other
     # branch's q would be O(1) away.
     assert torch.allclose(torch.cat([dx[:8], dx[-8:]]).cpu(), want, rtol=2**-8, atol=0)
+
+
+# The gated MLP's kernels against the activation's kernels and torch's multiplies they stand for, bit
+# for bit. In fp32 everywhere; in 16 bits on a GPU (the interpreter truncates fp32 -> 16 bits in the
+# kernel where torch's multiply rounds, so off a GPU the half types cannot agree bitwise).
+GATED_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("precision_bit", [False, True])
+@pytest.mark.parametrize("dtype", GATED_DTYPES)
+def test_gated_forward_is_forward_then_the_product(name, precision_bit, dtype):
+    act = ACTIVATIONS[name]
+    torch.manual_seed(0)
+    for n in SIZES:
+        g = (torch.randn(n, device=DEVICE) * 4).to(dtype)
+        u = torch.randn(n, device=DEVICE).to(dtype)
+        y, bits, h = _triton.gated_forward(act, g, u, precision_bit)
+        want_y, want_bits = _triton.forward(act, g, precision_bit)
+        assert torch.equal(y, want_y) and torch.equal(bits, want_bits), n
+        assert torch.equal(h, want_y * u), n
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("precision_bit", [False, True])
+@pytest.mark.parametrize("dtype", GATED_DTYPES)
+def test_gated_backward_is_the_products_and_backward(name, precision_bit, dtype):
+    act = ACTIVATIONS[name]
+    torch.manual_seed(0)
+    for n in SIZES:
+        g = (torch.randn(n, device=DEVICE) * 4).to(dtype)
+        y, bits = _triton.forward(act, g, precision_bit)
+        u, dh = torch.randn(n, device=DEVICE).to(dtype), torch.randn(n, device=DEVICE).to(dtype)
+        dg, du = _triton.gated_backward(act, y, bits, u, dh, precision_bit)
+        assert torch.equal(dg, _triton.backward(act, y, bits, dh * u, precision_bit)), n
+        assert torch.equal(du, dh * y), n
+
+
+@pytest.mark.parametrize("dtype", GATED_DTYPES)
+def test_a_gated_mlp_takes_the_gated_kernels_and_its_gradients_are_bitwise(monkeypatch, dtype):
+    """A patched SwiGLU MLP on the Triton backend runs its activation and product through the gated
+    kernels (one launch forward, one backward): output and every gradient equal, bit for bit, to the
+    same Function through the activation's kernels and torch's multiplies (the kernels taken away)."""
+    import copy
+
+    import invact
+
+    monkeypatch.setenv("INVACT_BACKEND", "triton")
+
+    class SwiGLU(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = (
+                torch.nn.Linear(16, 40, bias=False),
+                torch.nn.Linear(16, 40, bias=False),
+            )
+            self.down_proj, self.act_fn = torch.nn.Linear(40, 16, bias=False), torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SwiGLU()).to(DEVICE, dtype)
+    assert invact.patch(model) == ["0.act_fn"]
+    calls = []
+    for kernel in ("gated_forward", "gated_backward"):
+        real = getattr(_triton, kernel)
+        monkeypatch.setattr(
+            _triton, kernel, lambda *a, real=real, kernel=kernel: calls.append(kernel) or real(*a)
+        )
+    x = torch.randn(3, 7, 16, device=DEVICE, dtype=dtype, requires_grad=True)
+    dy = torch.randn(3, 7, 16, device=DEVICE, dtype=dtype)
+
+    def run(m):
+        xi = x.detach().requires_grad_()
+        out = m(xi)
+        out.backward(dy)
+        return out, xi.grad, [p.grad for p in m.parameters()]
+
+    fused = run(model)
+    assert calls == ["gated_forward", "gated_backward"]
+    plain = copy.deepcopy(model)
+    for p in plain.parameters():
+        p.grad = None
+    for kernel in ("gated_forward", "gated_backward"):
+        monkeypatch.delattr(_triton, kernel)
+    unfused = run(plain)
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+    assert all(torch.equal(a, b) for a, b in zip(fused[2], unfused[2], strict=True))

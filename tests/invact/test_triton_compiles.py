@@ -21,6 +21,8 @@ from invact.activation.activations import ACTIVATIONS
 
 pytest.importorskip("triton")
 
+from invact.activation import _triton  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = {"sm_90": 90, "sm_80": 80}  # H100/H200, A100 (the paper's GPU)
 
@@ -33,7 +35,7 @@ def _case(kernel, name, dtype=torch.float32, precision_bit=False, target="sm_90"
     return case_id, (kernel, name, dtype, precision_bit, target, integer, even, rows)
 
 
-KERNELS = ("forward", "backward")
+KERNELS = tuple(_triton.KERNELS)  # the activation's two and the gated MLP's two
 # Every activation's device functions inside both kernels, in fp32 and bf16, both modes, on full blocks
 # (n a multiple of the block: no masks); fp16 with gelu (its integer view is bf16's), the masked
 # kernels (any other n: masks per row of 8 where n is a multiple of 8, else per element) with gelu,
