@@ -53,7 +53,8 @@ gpu:  ## the GPU suite (needs a CUDA device)
 # compiled + patch(), head + loss at Llama-3.2-1B's shape against its three matmuls, host time per op
 # kind, the compiled patched step's top host costs, whole training steps at real shapes). Run it first
 # whenever a GPU is at hand. It runs the head + loss and the whole steps first, then the rest, within
-# a budget of seconds (--budget, default 220: 4 minutes with the start): a part or step row that the
-# longest of its kind so far would push past it is skipped and listed under "skipped" in its JSON.
+# a budget of seconds (--budget, default 200: 4 minutes with the start and a first check of the gated
+# MLP kernels in every dtype): a part or step row that the longest of its kind so far would push past
+# it is skipped and listed under "skipped" in its JSON.
 gpu-quick:  ## the short GPU check (needs a CUDA device)
 	PYTHON=$(PYTHON) bash benchmarks/gpu_suite.sh quick

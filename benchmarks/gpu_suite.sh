@@ -54,7 +54,12 @@ for part in "${parts[@]}"; do
       run memory-fp32 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype float32
       run memory-bf16 "$PYTHON" benchmarks/train_memory.py --device cuda --dtype bfloat16 ;;
     host) run host "$PYTHON" benchmarks/host_time.py --device cuda --profile ;;
-    quick) run quick "$PYTHON" benchmarks/gpu_quick.py ;;
+    quick)  # the gated MLP kernels bitwise against the separate ops in every dtype first (the CPU's
+      # tests check fp32 alone: the interpreter truncates where a GPU rounds), for the activations the
+      # real-shape steps run; then the measurements
+      run quick-kernels "$PYTHON" -m pytest -q -p no:cacheprovider tests/invact/test_triton.py \
+        -k "gated and (silu or gelu_tanh or bitwise)"
+      run quick "$PYTHON" benchmarks/gpu_quick.py ;;
     loss) run loss "$PYTHON" benchmarks/loss_time.py --rounds 7 ;;
     plan) run plan "$PYTHON" benchmarks/step_plan_gpu.py ;;
     cpu)  # the file named for the CPU, beside (not over) the result of the CPU sessions work on
