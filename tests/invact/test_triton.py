@@ -148,9 +148,10 @@ def test_more_than_2_31_elements():
 GATED_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("precision_bit", [False, True])
-@pytest.mark.parametrize("dtype", GATED_DTYPES)
+GATED_CASES = [(name, pb, dtype) for name in NAMES for pb in (False, True) for dtype in GATED_DTYPES]
+
+
+@pytest.mark.parametrize(("name", "precision_bit", "dtype"), GATED_CASES)
 def test_gated_forward_is_forward_then_the_product(name, precision_bit, dtype):
     act = ACTIVATIONS[name]
     torch.manual_seed(0)
@@ -163,9 +164,7 @@ def test_gated_forward_is_forward_then_the_product(name, precision_bit, dtype):
         assert torch.equal(h, want_y * u), n
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("precision_bit", [False, True])
-@pytest.mark.parametrize("dtype", GATED_DTYPES)
+@pytest.mark.parametrize(("name", "precision_bit", "dtype"), GATED_CASES)
 def test_gated_backward_is_the_products_and_backward(name, precision_bit, dtype):
     act = ACTIVATIONS[name]
     torch.manual_seed(0)
