@@ -20,15 +20,18 @@ from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.memory import parameter_storages
 from invact.norm.op import (
+    _MODULES,
     CLASSES,
     FIND,
     VARIANTS,
     Variant,
     _apply_norm,
+    _failing,
     _is_wrapped,
     _keep_x_traced,
     _known,
     _Norm,
+    _read_back,
     _record,
     backward,
     decode_residual,
@@ -42,6 +45,44 @@ from invact.norm.op import (
 
 __all__ = ["KIND", "VARIANTS", "InvNorm", "backward", "decode_residual", "encode_residual", "forward",
            "invertible", "match", "refresh", "replacement"]  # fmt: skip
+
+
+def _unchanged(checked: tuple, w, b) -> bool:
+    """Whether the parameters w and b are those an InvNorm's check (`_invact_checked`) was made on, as
+    they were then (the same tensors, the same versions)."""
+    (rw, rb), (vw, vb), _, _ = checked
+    return (w is None if rw is None else rw() is w and w._version == vw) and (
+        b is None if rb is None else rb() is b and b._version == vb
+    )
+
+
+def _stale_peers(module: nn.Module, weight) -> list:
+    """The other InvNorms known to the op whose parameters changed since their own last check and whose
+    weight is a plain tensor on `weight`'s device: their checks can share `module`'s read back. Never a
+    sharded (DTensor) weight: its check gathers it, a collective every rank must make at the same point."""
+    if weight is None or weight.is_meta or hasattr(weight, "full_tensor"):
+        return []
+    device, peers = weight.device, []
+    for other in list(_MODULES.values()):
+        checked = other._invact_checked
+        if other is module or checked is None:
+            continue
+        params = other._parameters
+        w, b = params.get("weight"), params.get("bias")
+        if (
+            w is not None
+            and type(w) in (torch.Tensor, nn.Parameter)
+            and w.device == device
+            and not _unchanged(checked, w, b)
+        ):
+            peers.append(other)
+    return peers
+
+
+def _failing_of(module: nn.Module, dtype: torch.dtype):
+    """_failing() of `module`'s parameters now, for y in `dtype`."""
+    params = module._parameters
+    return _failing(params.get("weight"), params.get("bias"), VARIANTS[module._invact_variant], dtype)
 
 
 class InvNorm(nn.Module):
@@ -89,25 +130,31 @@ class InvNorm(nn.Module):
     def _invertible(self, dtype: torch.dtype) -> bool:
         """invertible() of the parameters, computed again only when one of them is another tensor or
         has changed (its version: an optimizer step bumps it). Weak references: a parameter replaced
-        (to_empty, loading) is neither kept alive nor mistaken for a new one at its address."""
+        (to_empty, loading) is neither kept alive nor mistaken for a new one at its address. Checked
+        again, it checks with it every other InvNorm whose parameters changed since its own check
+        (_stale_peers): an optimizer step changes them all, and the first norm of the next forward
+        reads back one answer per device for all of them, not each norm one (on CUDA a device sync)."""
         params = self._parameters
         w, b = params.get("weight"), params.get("bias")
         checked = self._invact_checked
-        if checked is not None:
-            (rw, rb), (vw, vb), was, answer = checked
-            if (
-                was == dtype
-                and (w is None if rw is None else rw() is w and w._version == vw)
-                and (b is None if rb is None else rb() is b and b._version == vb)
-            ):
-                return answer
-        answer = invertible(w, b, VARIANTS[self._invact_variant], dtype)
+        if checked is not None and checked[2] == dtype and _unchanged(checked, w, b):
+            return checked[3]
+        peers = _stale_peers(self, w)
+        modules = [self, *peers]
+        failing = [_failing_of(m, d) for m, d in ((self, dtype), *((m, m._invact_checked[2]) for m in peers))]
+        for module, answer in zip(modules, _read_back(failing), strict=True):
+            module._remember(module._invact_checked[2] if module is not self else dtype, not answer)
+        return self._invact_checked[3]
+
+    def _remember(self, dtype: torch.dtype, answer: bool) -> None:
+        """Keep `answer`, invertible() of the parameters as they are now for y in `dtype` (_invertible)."""
+        params = self._parameters
+        w, b = params.get("weight"), params.get("bias")
         _known(self)
         _record(self, dtype, answer)  # what a traced call keeps follows (see _MODULES)
         refs = tuple(None if t is None else weakref.ref(t) for t in (w, b))
         versions = tuple(None if t is None else t._version for t in (w, b))
         self._invact_checked = (refs, versions, dtype, answer)
-        return answer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v = VARIANTS[self._invact_variant]

@@ -18,8 +18,9 @@ RMSNorm saves, carries u |h|. Where every channel has rho_j <= RHO_MAX the recov
 u (|h| + RHO_MAX) of the true one and y is saved; else that call saves x, and backward computes h from
 x exactly as eager does (a weight entry at or near zero, or a bias much larger than its weight). The
 check is a few ops over the d weights, made again only when a parameter changes (its version counter:
-the optimizer's in-place step bumps it); on CUDA it reads one bool back (a device sync per norm per
-optimizer step).
+the optimizer's in-place step bumps it); the first norm to find its parameters changed checks every
+other norm's that changed too and reads the answers back at once (on CUDA one device sync per device
+and optimizer step, where each norm read its own: InvNorm._invertible).
 
 Where the variant multiplies by the weight in fp32 and then casts to a 16-bit y (Gemma's 1 + w, OLMo-2,
 torch's RMSNorm), eager keeps the fp32 h, so its weight gradient carries no rounding of h; there the
@@ -221,6 +222,25 @@ def invertible(weight, bias, v: Variant, dtype: torch.dtype) -> bool:
     """h can be recovered from a y stored in `dtype` within u (|h| + RHO_MAX) (module docstring)."""
     failing = _failing(weight, bias, v, dtype)
     return not (failing if isinstance(failing, bool) else bool(failing))
+
+
+def _read_back(failing: list) -> list[bool]:
+    """Each of `failing` (_failing's bools and 0-d bool tensors) as a bool: the tensors stacked and read
+    back once per device (on CUDA one device sync for all of them)."""
+    answers = [f if isinstance(f, bool) else None for f in failing]
+    by_device: dict = {}
+    for i, f in enumerate(failing):
+        if answers[i] is None:
+            by_device.setdefault(f.device, []).append(i)
+    for indices in by_device.values():
+        values = (
+            torch.stack([failing[i] for i in indices]).tolist()
+            if len(indices) > 1
+            else [bool(failing[indices[0]])]
+        )
+        for i, value in zip(indices, values, strict=True):
+            answers[i] = value
+    return answers
 
 
 def _failing(weight, bias, v: Variant, dtype: torch.dtype) -> bool | torch.Tensor:
@@ -754,14 +774,7 @@ def refresh(modules=None) -> None:
                     params.get("weight"), params.get("bias"), VARIANTS[module._invact_variant], dtype
                 )
                 todo.append((module, dtype, versions, failing))
-    by_device: dict = {}
-    for i, (*_, failing) in enumerate(todo):
-        if isinstance(failing, torch.Tensor):
-            by_device.setdefault(failing.device, []).append(i)
-    answers = [f for *_, f in todo]
-    for indices in by_device.values():  # one read back per device
-        for i, value in zip(indices, torch.stack([todo[i][3] for i in indices]).tolist(), strict=True):
-            answers[i] = value
+    answers = _read_back([f for *_, f in todo])  # one read back per device
     for (module, dtype, versions, _), failing in zip(todo, answers, strict=True):
         _record(module, dtype, not failing)
         _TRACED[module][dtype] = versions

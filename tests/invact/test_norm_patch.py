@@ -369,3 +369,36 @@ def test_copies_and_pickles_keep_the_inverted_norms():
     for copied in (copy.deepcopy(inverted), pickle.loads(pickle.dumps(inverted))):
         assert sum(isinstance(m, InvNorm) for m in copied.modules()) == 5
         assert torch.equal(copied(input_ids=ids).last_hidden_state, want)
+
+
+def test_after_an_optimizer_step_the_norms_check_their_weights_with_one_read_back(monkeypatch):
+    """An optimizer step changes every norm's weight; the first norm of the next forward checks them
+    all and reads the answers back at once (on CUDA one device sync a step, not one per norm), and each
+    norm keeps its own answer: here the one whose weight an edit took to zero keeps x, the others y."""
+    from invact.norm import op as norm_op
+
+    torch.manual_seed(0)
+    model = _decoders()["llama"]()
+    norms = invact.patch(model)
+    inverted = [m for m in model.modules() if isinstance(m, InvNorm)]
+    assert len(inverted) == 5 and all(n in norms for n in ("norm", "layers.0.input_layernorm"))
+    ids = _ids()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    reads = []
+    real = norm_op._read_back
+    monkeypatch.setattr("invact.norm._read_back", lambda failing: reads.append(len(failing)) or real(failing))
+    model(ids).last_hidden_state.sum().backward()
+    assert len(reads) == len(inverted)  # first checks: each norm its own (nothing checked before)
+    optimizer.step()
+    with torch.no_grad():
+        model.layers[1].post_attention_layernorm.weight[3] = 0.0  # rho infinite there: x must be kept
+    reads.clear()
+    out = model(ids).last_hidden_state
+    # one read back, every norm's answer in it (and any other live model's norm changed since its check)
+    assert len(reads) == 1 and reads[0] >= len(inverted)
+    keeps_x = {m: m._invact_checked[3] is False for m in inverted}
+    assert keeps_x == {m: m is model.layers[1].post_attention_layernorm for m in inverted}
+    out.sum().backward()
+    reads.clear()
+    model(ids)  # nothing changed: no check at all
+    assert reads == []
