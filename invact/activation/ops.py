@@ -339,36 +339,6 @@ def plain_dx(act: Activation, precision_bit: bool, backend: ModuleType, y, bits,
     return shaped_like(backend.backward(act, flat(y), bits, flat(like(dy, y)), precision_bit), y)
 
 
-def gated_y(act: Activation, precision_bit: bool, backend: ModuleType, g, u) -> tuple:
-    """(y, bits, h = y * u) of a gated MLP's gate g and up projection u (one shape and dtype), `backend`
-    chosen by _eager_backends: where it has a kernel for the whole (the Triton backend's gated_forward),
-    one pass; else backend.forward and torch's multiply. h is bitwise the same either way."""
-    fused = getattr(backend, "gated_forward", None)
-    if fused is not None and g.is_contiguous() and u.is_contiguous() and g.dtype is u.dtype:
-        return fused(act, g, u, precision_bit)
-    y, bits = backend.forward(act, g, precision_bit)
-    return y, bits, y * u
-
-
-def gated_dx(act: Activation, precision_bit: bool, backend: ModuleType, y, bits, u, dh) -> tuple:
-    """(dg, du) of h = act(g) * u from dh in a backward outside torch.func transforms (invact.mlp's):
-    where `backend` has a kernel for the whole (the Triton backend's gated_backward), one pass; else
-    (plain_dx of dh * u, None): the caller multiplies du = dh * y itself when it needs it (after its
-    products of dg, so that du is not alive beside them). Bitwise the same either way."""
-    fused = getattr(backend, "gated_backward", None)
-    if (
-        fused is not None
-        and _current_level() is None
-        and not torch.is_grad_enabled()
-        and y.is_contiguous()
-        and u.is_contiguous()
-        and dh.is_contiguous()
-        and y.dtype is u.dtype is dh.dtype
-    ):
-        return fused(act, y, bits, u, dh, precision_bit)
-    return plain_dx(act, precision_bit, backend, y, bits, dh * u), None
-
-
 # _EagerPlain's apply without autograd.Function.apply's Python layer (which, for a Function without
 # setup_context and outside torch.func transforms, only unwraps dead torch.func wrappers: invact() takes
 # that layer where x is one).

@@ -5,8 +5,8 @@ gated MLP runs under torch.compile. Which modules run them, and when, is invact.
 
 Forward: F.linear for the projections, invact's forward for act (the backend InvAct's eager path
 takes), a multiply: the modules' own ops on the same operands, so the output is bitwise theirs. On the
-Triton backend (CUDA) the gated form's act and multiply are one kernel (invact.activation.ops.gated_y),
-and in backward its dy = dh * u, q(y, bit) dy and du = dh * y another (gated_dx): the same roundings,
+Triton backend (CUDA) the gated form's act and multiply are one kernel (its gated_forward), and in
+backward its dy = dh * u, q(y, bit) dy and du = dh * y another (gated_backward): the same roundings,
 bitwise (tests/invact/test_triton.py), each reading its operands once (benchmarks/kernel_sass.py: 8 and
 10 bytes an element in bf16 where the separate kernels move 10 and 18).
 Backward: the ops torch's autograd runs for these modules (aten's derivatives of addmm/mm and mul,
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from invact._traced import trace_as
 from invact.activation.activations import ACTIVATIONS
-from invact.activation.ops import _eager_backends, direct_backward, gated_dx, gated_y, plain_dx
+from invact.activation.ops import _current_level, _eager_backends, direct_backward, plain_dx
 from invact.mlp import experts
 
 
@@ -55,11 +55,12 @@ class _MLP(torch.autograd.Function):
         u = F.linear(rows, w_up, b_up)
         g = u if w_gate is None else F.linear(rows, w_gate, b_gate)
         forward, backward = _eager_backends(g)
-        if w_gate is None:
-            y, bits = forward.forward(act, g, precision_bit)
-            h = y
+        fused = None if w_gate is None else getattr(forward, "gated_forward", None)
+        if fused is not None and g.is_contiguous() and u.is_contiguous() and g.dtype is u.dtype:
+            y, bits, h = fused(act, g, u, precision_bit)  # act and the product in one pass (Triton)
         else:
-            y, bits, h = gated_y(act, precision_bit, forward, g, u)
+            y, bits = forward.forward(act, g, precision_bit)
+            h = y if w_gate is None else y * u
         out = F.linear(h, w_down, b_down)
         del h
         ctx.set_materialize_grads(False)  # no zero gradient built for an output nobody differentiates
@@ -98,11 +99,13 @@ class _MLP(torch.autograd.Function):
         dh = dout.mm(w_down)
         if bits is None:
             bits = y.new_empty(0, dtype=torch.uint8)
-        if gated:  # du here where one kernel makes it with dg (dh is then done with), else below
-            dg, du = gated_dx(ctx.act, ctx.precision_bit, ctx.backend, y, bits, u, dh)
-            dh = dh if du is None else None
-        else:
-            dg = plain_dx(ctx.act, ctx.precision_bit, ctx.backend, y, bits, dh)
+        fused = getattr(ctx.backend, "gated_backward", None) if gated else None
+        du = None
+        if fused is not None and _fuses(y, u, dh):  # dg and du in one pass (Triton); dh is then done with
+            dg, du = fused(ctx.act, y, bits, u, dh, ctx.precision_bit)
+            dh = None
+        else:  # du = dh * y below, after dg's products (so that du is not alive beside them)
+            dg = plain_dx(ctx.act, ctx.precision_bit, ctx.backend, y, bits, dh * u if gated else dh)
         w_g = w_gate if gated else w_up
         d_w_g = dg.t().mm(rows) if (need_w_gate if gated else need_w_up) else None
         d_b_g = dg.sum(0) if (need_b_gate if gated else need_b_up) else None
@@ -126,6 +129,19 @@ class _MLP(torch.autograd.Function):
             first, second = first + second, None  # both parts of the one cast copy's gradient
         grads = first, second, d_w_up, d_b_up, d_w_g, d_b_g, d_w_down, d_b_down
         return (*(_cast_back(grads, x_dtype, w_dtype) if ctx.cast else grads), None, None, None, None)
+
+
+def _fuses(y: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> bool:
+    """Whether the backward's gated kernel serves y, u and dh: contiguous, one dtype, and outside what
+    plain_dx hands to the op's own backward (torch.func transforms, create_graph)."""
+    return (
+        _current_level() is None
+        and not torch.is_grad_enabled()
+        and y.is_contiguous()
+        and u.is_contiguous()
+        and dh.is_contiguous()
+        and y.dtype is u.dtype is dh.dtype
+    )
 
 
 def _cast_back(grads: tuple, x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple:
