@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kernel_sass import TENSORS, norm_kernels  # noqa: E402
+from kernel_sass import GATED_DTYPES, TENSORS, norm_kernels  # noqa: E402
 
 from invact.activation import _triton  # noqa: E402
 
@@ -36,7 +36,7 @@ CASES = [
     (name, kernel, dtype, masks)
     for name in sorted(ACTIVATIONS)
     for kernel in _triton.KERNELS  # the activation's forward and backward, the gated MLP's two
-    for dtype in DTYPES
+    for dtype in (GATED_DTYPES if kernel.startswith("gated_") else DTYPES)
     for masks in ("none", "rows")
 ]
 

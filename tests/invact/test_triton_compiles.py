@@ -36,16 +36,17 @@ def _case(kernel, name, dtype=torch.float32, precision_bit=False, target="sm_90"
 
 
 KERNELS = tuple(_triton.KERNELS)  # the activation's two and the gated MLP's two
-# Every activation's device functions inside both kernels, in fp32 and bf16, both modes, on full blocks
-# (n a multiple of the block: no masks); fp16 with gelu (its integer view is bf16's), the masked
-# kernels (any other n: masks per row of 8 where n is a multiple of 8, else per element) with gelu,
-# int64 offsets (past 2^31 elements), and the A100's target with gelu.
+# Every activation's device functions inside the activation's kernels in fp32 and bf16 and the gated
+# MLP's in bf16, both modes, on full blocks (n a multiple of the block: no masks); fp16 with gelu (its
+# integer view is bf16's), the masked kernels (any other n: masks per row of 8 where n is a multiple of
+# 8, else per element) with gelu, int64 offsets (past 2^31 elements), and the A100's target with gelu.
 CASES = dict(
     [
         _case(kernel, name, dtype, precision_bit)
         for kernel in KERNELS
         for name in sorted(ACTIVATIONS)
-        for dtype in (torch.float32, torch.bfloat16)
+        # the gated kernels' bodies around the same device functions: every activation in bf16
+        for dtype in ((torch.bfloat16,) if kernel.startswith("gated_") else (torch.float32, torch.bfloat16))
         for precision_bit in (False, True)
     ]
     + [_case(kernel, "gelu", torch.float16, pb) for kernel in KERNELS for pb in (False, True)]
