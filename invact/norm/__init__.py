@@ -26,7 +26,7 @@ from invact.norm.op import (
     VARIANTS,
     Variant,
     _apply_norm,
-    _failing,
+    _failing_of,
     _is_wrapped,
     _keep_x_traced,
     _known,
@@ -77,12 +77,6 @@ def _stale_peers(module: nn.Module, weight) -> list:
         ):
             peers.append(other)
     return peers
-
-
-def _failing_of(module: nn.Module, dtype: torch.dtype):
-    """_failing() of `module`'s parameters now, for y in `dtype`."""
-    params = module._parameters
-    return _failing(params.get("weight"), params.get("bias"), VARIANTS[module._invact_variant], dtype)
 
 
 class InvNorm(nn.Module):
@@ -139,12 +133,11 @@ class InvNorm(nn.Module):
         checked = self._invact_checked
         if checked is not None and checked[2] == dtype and _unchanged(checked, w, b):
             return checked[3]
-        peers = _stale_peers(self, w)
-        modules = [self, *peers]
-        failing = [_failing_of(m, d) for m, d in ((self, dtype), *((m, m._invact_checked[2]) for m in peers))]
-        for module, answer in zip(modules, _read_back(failing), strict=True):
-            module._remember(module._invact_checked[2] if module is not self else dtype, not answer)
-        return self._invact_checked[3]
+        todo = [(self, dtype), *((m, m._invact_checked[2]) for m in _stale_peers(self, w))]
+        failing = _read_back([_failing_of(m, d) for m, d in todo])
+        for (module, d), fails in zip(todo, failing, strict=True):
+            module._remember(d, not fails)
+        return not failing[0]
 
     def _remember(self, dtype: torch.dtype, answer: bool) -> None:
         """Keep `answer`, invertible() of the parameters as they are now for y in `dtype` (_invertible)."""

@@ -224,6 +224,12 @@ def invertible(weight, bias, v: Variant, dtype: torch.dtype) -> bool:
     return not (failing if isinstance(failing, bool) else bool(failing))
 
 
+def _failing_of(module: nn.Module, dtype: torch.dtype) -> bool | torch.Tensor:
+    """_failing() of an InvNorm's parameters as they are now, for y in `dtype`."""
+    params = module._parameters
+    return _failing(params.get("weight"), params.get("bias"), VARIANTS[module._invact_variant], dtype)
+
+
 def _read_back(failing: list) -> list[bool]:
     """Each of `failing` (_failing's bools and 0-d bool tensors) as a bool: the tensors stacked and read
     back once per device (on CUDA one device sync for all of them)."""
@@ -769,11 +775,7 @@ def refresh(modules=None) -> None:
         versions = _versions(module)
         for dtype, seen in _TRACED[module].items():
             if seen != versions:
-                params = module._parameters
-                failing = _failing(
-                    params.get("weight"), params.get("bias"), VARIANTS[module._invact_variant], dtype
-                )
-                todo.append((module, dtype, versions, failing))
+                todo.append((module, dtype, versions, _failing_of(module, dtype)))
     answers = _read_back([f for *_, f in todo])  # one read back per device
     for (module, dtype, versions, _), failing in zip(todo, answers, strict=True):
         _record(module, dtype, not failing)
