@@ -1,17 +1,21 @@
-# The README's two commands: `make fit` and `make test`. Both create .venv on first use.
-# torch is installed first and pinned, so pip never pulls a multi-GB CUDA build on a fresh machine.
+# The README's two commands: `make fit` and `make test`. Both create .venv on first use, with every
+# package at the version tests/constraints.txt pins (its header says how the pins move: `make pins`).
+# torch is installed first, so pip never pulls a multi-GB CUDA build on a fresh machine.
 PYTHON ?= python3
-TORCH ?= torch==2.13.0
+PINS := tests/constraints.txt
+TORCH ?= $(shell grep '^torch==' $(PINS))
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: fit test lint clean gpu gpu-quick compat
+.PHONY: fit test lint clean gpu gpu-quick compat pins
 
-$(BIN)/.installed: pyproject.toml
+# The venv's constraints: the pins, with TORCH's line for torch's (the same line unless TORCH is given).
+$(BIN)/.installed: pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	sed 's/^torch==.*/$(TORCH)/' $(PINS) > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt --upgrade pip
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt $(TORCH)
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	# The toolkit's packages by their own names (fitting, codegen) for tests, notebooks and benchmarks:
 	# the wheel installs them only inside invact (pyproject.toml says why), so the venv gets the checkout.
 	$(BIN)/python -c 'import site, sys; open(site.getsitepackages()[0] + "/invact-checkout.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
@@ -42,6 +46,21 @@ compat: $(BIN)/.installed  ## the core tests at the supported range's ends (thro
 
 clean:
 	rm -rf $(VENV)
+
+# The pins afresh: `.[dev]` resolved from today's registry in a throwaway venv (build/pins; torch as TORCH
+# says, PINS' own by default), frozen into $(PINS) with its header kept, written whole or not at all.
+# Then `make test` and `make compat ONLY=newest`, and one commit with the bump and its compat row.
+pins:  ## re-resolve tests/constraints.txt from today's registry (then make test, make compat ONLY=newest)
+	rm -rf build/pins
+	$(PYTHON) -m venv build/pins
+	build/pins/bin/pip install -q --upgrade pip
+	build/pins/bin/pip install -q $(TORCH)
+	build/pins/bin/pip install -q -e '.[dev]'
+	sed '/^[^#]/,$$d' $(PINS) > build/pins/constraints.txt
+	build/pins/bin/pip freeze --all --exclude-editable | sed 's/^torch==\([^+]*\)+.*/torch==\1/' \
+		>> build/pins/constraints.txt
+	mv build/pins/constraints.txt $(PINS)
+	rm -rf build/pins
 
 # Every GPU check in one command: CUDA tests, kernel tuning sweep, the paper's time table (fp32, bf16)
 # and peak memory of training steps; results in benchmarks/results/. Uses the python that has a CUDA

@@ -3,23 +3,27 @@
 pyproject.toml's requirement lines and the README's sentence say the same (tests/invact/test_versions.py
 checks both against SUPPORTED), and `make compat` (tests/compat.py) runs the core tests at its ends.
 
-Importing this module (invact's first import) runs `check()`: it refuses a torch below the range
-with one line (ImportError) and warns once, one line, on a torch or transformers newer than the
-newest tested (nothing is known to break: untested) or on a transformers below the range (whose
-models invact may not recognise). transformers is optional, and its version is read from the
-installed distribution's metadata, not by importing it (which takes seconds).
+Importing this module (invact's first import) runs `check()` on the installed versions: it refuses a
+torch below the range with one line (ImportError) and warns once (VersionWarning, a one-line message),
+on a torch or transformers newer than the newest tested (nothing is known to break: untested) or on a
+transformers below the range (whose models invact may not recognise), pointing at the user's `import
+invact`. transformers is optional, and its version is read from the installed distribution's
+metadata, not by importing it (which takes seconds).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import types
 import warnings
 from importlib import metadata
 
 import torch
 
 # package -> (oldest supported, newest tested): "major.minor" for torch, "major.minor" for transformers.
-SUPPORTED = {"torch": ("2.11", "2.15"), "transformers": ("4.57", "5.24")}
+SUPPORTED = {"torch": ("2.11", "2.15"), "transformers": ("4.57", "5.25")}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -49,19 +53,59 @@ def message(package: str, version: str, why: str) -> str:
             "it may work, untested")  # fmt: skip
 
 
-def check(torch_version: str) -> None:
-    """Raise ImportError on a torch below the range; warn (once a process) on anything else outside it."""
+class VersionWarning(UserWarning):
+    """A torch or transformers outside SUPPORTED (newer than the newest tested, or an older transformers)."""
+
+
+def installed(package: str) -> str | None:
+    """The installed distribution's version, from its metadata (no import), or None where it is absent."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _importer() -> types.FrameType | None:
+    """The frame whose code imported invact: the first on the stack outside invact's own package and
+    Python's import machinery (None where there is none)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(package) or name.startswith("<frozen importlib")):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def check(torch_version: str, transformers_version: str | None) -> None:
+    """Raise ImportError on a torch below the range; warn on anything else outside it (transformers None:
+    not installed, nothing to say). A warning points at the line that imported invact (the user's
+    `import invact`, as Python prints it: that line under the message), once per such line."""
     why = outside("torch", torch_version)
     if why == "older":
         raise ImportError(message("torch", torch_version, why))
     found = [("torch", torch_version, why)]
-    try:
-        found.append(("transformers", (v := metadata.version("transformers")), outside("transformers", v)))
-    except metadata.PackageNotFoundError:
-        pass
+    if transformers_version is not None:
+        found.append(("transformers", transformers_version, outside("transformers", transformers_version)))
+    frame = _importer()
     for package, version, why in found:
-        if why is not None:
-            warnings.warn(message(package, version, why), stacklevel=3)
+        if why is None:
+            continue
+        if frame is None:
+            warnings.warn_explicit(
+                message(package, version, why), VersionWarning, "invact", 0, module="invact"
+            )
+        else:
+            globals_ = frame.f_globals
+            warnings.warn_explicit(
+                message(package, version, why),
+                VersionWarning,
+                frame.f_code.co_filename,
+                frame.f_lineno,
+                module=globals_.get("__name__", "invact"),
+                registry=globals_.setdefault("__warningregistry__", {}),
+            )  # no module_globals, as warnings.warn passes none: a loader without sources (-c) would raise
 
 
-check(torch.__version__)
+check(torch.__version__, installed("transformers"))

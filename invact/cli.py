@@ -16,6 +16,7 @@ import json
 import re
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 from invact.plan_options import (
@@ -508,12 +509,20 @@ def _load_runtime() -> None:
     import invact
 
     try:
-        invact._load()
+        with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
+            invact._load()
         import transformers
     except ImportError as e:
         if getattr(e, "name", None) == "transformers":
             _fail(PROG, "transformers is not installed: pip install transformers")
         _fail(PROG, str(e))
+    from invact._versions import VersionWarning
+
+    for w in caught:  # a version outside the tested range: one line in the command's own words
+        if issubclass(w.category, VersionWarning):
+            print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     transformers.utils.logging.set_verbosity_error()  # its advice on configs would interleave the table
 
 

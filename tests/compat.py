@@ -38,7 +38,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 ENVIRONMENTS = {
     "oldest": ("2.11.0", "4.57.6", "the oldest torch and the newest transformers 4.x"),
     "gpu-image": ("2.11.0", "5.17.0", "the GPU machines' stock image"),
-    "newest": ("2.15.0", "5.24.0", "the newest torch and transformers on the registry"),
+    "newest": ("2.15.0", "5.25.0", "the newest torch and transformers on the registry"),
 }
 # What the rest of the tests need that the environment would not have (no triton: its interpreter's
 # bf16 casts differ; numba: the CPU kernels, as users install them with invact[cpu]).

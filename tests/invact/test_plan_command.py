@@ -230,8 +230,36 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, case):
     done = _run("plan", str(config), *(f"--{k}={v}" for k, v in args.items()))
     assert done.returncode == 2
     assert done.stdout == ""
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("invact plan: error:"), done.stderr
+    # The error's one line, after any warning's (a version outside the tested range: one line each).
+    *warned, error = done.stderr.splitlines()
+    assert error.startswith("invact plan: error:"), done.stderr
+    assert all(line.startswith("invact plan: warning:") for line in warned), done.stderr
+
+
+# The command in a fresh interpreter that reads transformers' version as 99.0.0 (outside the tested range).
+_WITH_A_NEWER_TRANSFORMERS = """
+import sys
+from importlib import metadata
+real = metadata.version
+metadata.version = lambda name: "99.0.0" if name == "transformers" else real(name)
+sys.argv = ["invact", *sys.argv[1:]]  # the console script's name: the runtime loads once input is checked
+from invact.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_version_warning_and_a_bad_input_are_one_line_each(tmp_path):
+    config = _write(tmp_path, {"model_type": "no_such_model"})
+    done = subprocess.run(
+        [sys.executable, "-c", _WITH_A_NEWER_TRANSFORMERS, "plan", str(config), "--batch=1", "--seq=8"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    warning, error = done.stderr.splitlines()
+    assert (
+        warning.startswith("invact plan: warning: invact is tested with transformers") and "99.0.0" in warning
+    )
+    assert error.startswith("invact plan: error: transformers cannot build"), done.stderr
 
 
 def test_help_explains_every_option():

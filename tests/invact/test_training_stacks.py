@@ -596,6 +596,28 @@ def _checkpointed(model):
     return model
 
 
+def _xfail_where_unpatched_fails_too(error: Exception, wrap, config, ids: torch.Tensor) -> None:
+    """An expected failure where the same model, unpatched, fails fullgraph compile with the same error:
+    then the cause is upstream, not invact. Known case: transformers 5.25.0 with its gradient
+    checkpointing ("HOP: Unsafe side effect": its output capturing mutates a CompileableContextVar inside
+    torch.utils.checkpoint; 5.24.0 compiles the same model). Returns where the unpatched model compiles."""
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = wrap(LlamaForCausalLM(config))
+    model.train()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    except torch._dynamo.exc.Unsupported as unpatched:
+        said = str(error).splitlines()[0]
+        if str(unpatched).splitlines()[0] == said:
+            pytest.xfail(f"upstream: transformers {transformers.__version__} fails unpatched too: {said}")
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("wrap", [_lora, _checkpointed], ids=["peft lora", "hf checkpointing"])
 def test_compiled_patched_llama_gives_the_eager_patched_gradients(wrap, portable):
     """fullgraph (no graph break), invact's custom ops in the graphs, and aot_eager's gradients bitwise
@@ -622,7 +644,12 @@ def test_compiled_patched_llama_gives_the_eager_patched_gradients(wrap, portable
     ops: set[str] = set()
     traced: set[str] = set()
     torch._dynamo.reset()
-    got = grads(torch.compile(model, backend=_recording(ops, traced), fullgraph=True))
+    try:
+        got = grads(torch.compile(model, backend=_recording(ops, traced), fullgraph=True))
+    except torch._dynamo.exc.Unsupported as e:
+        torch._dynamo.reset()
+        _xfail_where_unpatched_fails_too(e, wrap, config, ids)
+        raise
     torch._dynamo.reset()
     assert want and want.keys() == got.keys()
     _assert_equal(got, want)
