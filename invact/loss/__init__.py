@@ -450,7 +450,7 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
         added = input.added.reshape(-1).to(hidden.dtype)
         bias = added if bias is None else bias + added
     with _gathered(input.module, input.weight, input._fsdp):
-        return linear_cross_entropy(hidden, input.weight, target, bias, ops=input.ops,
+        return linear_cross_entropy(hidden, input.weight, target, linear_bias=bias, ops=input.ops,
                                     ignore_index=ignore_index, reduction=reduction,
                                     label_smoothing=label_smoothing)  # fmt: skip
 

@@ -138,38 +138,51 @@ def _kernels(t: torch.Tensor, ops: tuple) -> bool:
     return backend_for(t) == "triton" or (t.is_meta and stands_for() == "cuda")
 
 
-def _rows_torch(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.Tensor:
+def _rows_torch(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw=None) -> torch.Tensor:
     """invact.loss._triton.rows in torch ops (CPU, meta standing for a CPU, transforms the kernel does
-    not take): each row's loss, fp32 (rows,); with `grad` the rows' gradient times `scale`, written over
-    z in its dtype. A few rows at a time (PASS_BYTES of fp32), whose fp32 copy stays in cache through
-    the passes over it."""
+    not take, class weights `cw`): each row's loss, fp32 (rows,); with `grad` the rows' gradient times
+    `scale`, written over z in its dtype. A few rows at a time (PASS_BYTES of fp32), whose fp32 copy
+    stays in cache through the passes over it."""
     step = max(1, PASS_BYTES // (4 * z.shape[1]))
     if step >= z.shape[0]:
-        return _rows_pass(z, t, scale, ops, smoothing, grad)
-    parts = [_rows_pass(z[i : i + step], t[i : i + step], scale[i : i + step], ops, smoothing, grad)
+        return _rows_pass(z, t, scale, ops, smoothing, grad, cw)
+    parts = [_rows_pass(z[i : i + step], t[i : i + step], scale[i : i + step], ops, smoothing, grad, cw)
              for i in range(0, z.shape[0], step)]  # fmt: skip
     return torch.cat(parts)
 
 
-def _rows_pass(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.Tensor:
-    """_rows_torch on rows whose fp32 copy is one buffer (z itself where fp32)."""
+def _rows_pass(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw=None) -> torch.Tensor:
+    """_rows_torch on rows whose fp32 copy is one buffer (z itself where fp32). `cw`: F.cross_entropy's
+    class weights (vocab,), fp32, or None: row r's loss is then (1 - eps) w[t_r] nll_r + eps/C sum_c w_c
+    (-log p_rc), and its gradient (1 - eps) w[t_r] (p_r - e_t) + eps/C (W p_r - w), W = sum_c w_c."""
     zt, factor, tanhs = _transformed(z, ops, keep=grad)
     at = t.unsqueeze(1)
     picked = zt.gather(1, at).squeeze(1)
-    total = zt.sum(dim=1) if smoothing else None
+    total = (zt.sum(dim=1) if cw is None else zt @ cw) if smoothing else None
     top = zt.amax(dim=1, keepdim=True)
     # exp(z - max) in place: its row sums give the log-sum-exp, and divided by them, the softmax
     sums = zt.sub_(top).exp_().sum(dim=1, keepdim=True)
     lse = (top + sums.log()).squeeze(1)
     losses = lse - picked
-    if smoothing:  # F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p
-        losses = (1 - smoothing) * losses + smoothing * (lse - total.div(z.shape[1]))
+    classes = z.shape[1]
+    if cw is not None:
+        picked_w, whole = cw[t], cw.sum()
+        losses = losses * picked_w
+    if smoothing:  # F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p (weighted)
+        smooth = lse - total.div(classes) if cw is None else (whole * lse - total).div(classes)
+        losses = (1 - smoothing) * losses + smoothing * smooth
     if not grad:
         return losses
     p = zt.div_(sums)
-    p.scatter_add_(1, at, p.new_full(at.shape, -(1 - smoothing)))
-    if smoothing:
-        p.sub_(smoothing / z.shape[1])
+    if cw is None:
+        p.scatter_add_(1, at, p.new_full(at.shape, -(1 - smoothing)))
+        if smoothing:
+            p.sub_(smoothing / classes)
+    else:
+        p.mul_(((1 - smoothing) * picked_w + smoothing / classes * whole).unsqueeze(1))
+        p.scatter_add_(1, at, (-(1 - smoothing) * picked_w).unsqueeze(1))
+        if smoothing:
+            p.sub_(cw * (smoothing / classes))
     for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
         p.mul_(th.square_().neg_().add_(1))
     del tanhs
@@ -179,17 +192,18 @@ def _rows_pass(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.T
     return losses
 
 
-def _rows(z, t, scale, ops: tuple, smoothing: float, grad: bool) -> torch.Tensor:
+def _rows(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw=None) -> torch.Tensor:
     """Each row's loss from z (rows, vocab), the chunk's logits, fp32 (rows,); with `grad` each row's
-    gradient d loss / d z times scale (rows,) written over z: the kernel on CUDA, torch ops elsewhere.
-    On meta tensors standing for CUDA, what the kernel allocates (its output alone)."""
-    if _kernels(z, ops):
+    gradient d loss / d z times scale (rows,) written over z: the kernel on CUDA, torch ops elsewhere
+    and with class weights `cw` (which the kernel does not take). On meta tensors standing for CUDA,
+    what the kernel allocates (its output alone)."""
+    if cw is None and _kernels(z, ops):
         if z.is_meta:
             return z.new_empty(z.shape[:1], dtype=torch.float32)
         from invact.loss import _triton as _loss_triton
 
         return _loss_triton.rows(z, t, scale, smoothing, ops, grad)
-    return _rows_torch(z, t, scale, ops, smoothing, grad)
+    return _rows_torch(z, t, scale, ops, smoothing, grad, cw)
 
 
 def _accumulate(acc: torch.Tensor, d: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -230,7 +244,7 @@ SUM_PIECES = 16
 _MEAN, _SUM = 1, 2
 
 
-def _nll(h, target, weight, bias, ignore_index: int, mean: bool, needs):
+def _nll(h, target, weight, bias, ignore_index: int, mean: bool, needs, cw=None):
     """_forward where the rows are one chunk of fp32 logits without transform or label smoothing (a
     small head, whose cost is its host time): the ops F.cross_entropy runs forward and backward
     (log_softmax, nll_loss_forward; nll_loss_backward, _log_softmax_backward_data: so the loss and
@@ -238,12 +252,12 @@ def _nll(h, target, weight, bias, ignore_index: int, mean: bool, needs):
     z = F.linear(h, weight, bias)
     logp = torch.log_softmax(z, 1)
     del z
-    loss, total = torch.ops.aten.nll_loss_forward(logp, target, None, _MEAN if mean else _SUM, ignore_index)
+    reduction = _MEAN if mean else _SUM
+    loss, total = torch.ops.aten.nll_loss_forward(logp, target, cw, reduction, ignore_index)
     if not (needs[0] or needs[1] or needs[2]):
         return loss, None, None, None
     one = torch.ones((), dtype=loss.dtype, device=loss.device)
-    reduction = _MEAN if mean else _SUM
-    g = torch.ops.aten.nll_loss_backward(one, logp, target, None, reduction, ignore_index, total)
+    g = torch.ops.aten.nll_loss_backward(one, logp, target, cw, reduction, ignore_index, total)
     d = torch.ops.aten._log_softmax_backward_data(g, logp, 1, torch.float32)
     del g, logp
     dh = d.mm(weight) if needs[0] else None
@@ -252,30 +266,42 @@ def _nll(h, target, weight, bias, ignore_index: int, mean: bool, needs):
     return loss, dh, dw, db
 
 
-def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: float, mean: bool, needs):
+def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: float, mean: bool | None,
+             needs, cw=None, given=None):  # fmt: skip
     """(the loss, fp32 scalar; its gradients for d loss = 1 with respect to h, weight and bias, each in
     its tensor's dtype, None where `needs` does not ask for it), a chunk of rows at a time: per chunk
     its logits over the whole vocabulary (one matmul), its rows' losses and, where a gradient is
     wanted, d loss / d logits written over them (_rows), then d h for its rows (one matmul, rows
     apart: rounded once, as eager's) and its part of d weight (one matmul, summed in fp32 across
-    chunks: _accumulate). Three matmuls in all where every gradient is wanted; one where none is."""
+    chunks: _accumulate). Three matmuls in all where every gradient is wanted; one where none is.
+
+    `mean`: True for reduction "mean", False for "sum", None for "none" (the loss is then each row's,
+    fp32 (rows,), 0 where ignored; no gradient). `cw`: class weights (vocab,) or None. `given`: each
+    row's gradient factor (rows,) in place of the reduction's (the backward of reduction "none")."""
     n, vocab = h.shape[0], weight.shape[0]
     kind = _device_type(h)
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     grad = need_h or need_w or need_b
     dtype = _compute_dtype(h, weight, kind)
     step = chunk_rows(n, vocab, dtype.itemsize, kind, 4 * weight.numel(), need_w)
-    if step >= n and dtype == torch.float32 and not ops and not smoothing and not _kernels(h, ops):
-        return _nll(h, target, weight, bias, ignore_index, mean, (need_h, need_w, need_b))
+    if (step >= n and dtype == torch.float32 and not ops and not smoothing and not _kernels(h, ops)
+            and mean is not None and given is None):  # fmt: skip
+        return _nll(h, target, weight, bias, ignore_index, mean, (need_h, need_w, need_b),
+                    None if cw is None else cw.float())  # fmt: skip
     with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") else contextlib.nullcontext():
         hc = h if h.dtype is dtype else h.to(dtype)
         w = weight if weight.dtype is dtype else weight.to(dtype)
         b = bias if bias is None or bias.dtype is dtype else bias.to(dtype)
+        cwf = None if cw is None else cw.float()
         valid = target != ignore_index
         t = torch.where(valid, target, 0)
-        count = valid.sum() if mean else None
+        # what a mean divides by: the rows that count, or their targets' class weights summed (torch's)
+        count = (valid.sum() if cwf is None else torch.where(valid, cwf[t], 0.0).sum()) if mean else None
         # each row's factor: 1 / count in a mean (0 for a row that does not count, also where none does)
-        scale = torch.where(valid, 1.0 / count, 0.0) if mean else valid.float()
+        if given is not None:
+            scale = torch.where(valid, given.float(), 0.0)
+        else:
+            scale = torch.where(valid, 1.0 / count, 0.0) if mean else valid.float()
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
         dh = torch.empty(h.shape, dtype=dtype, device=h.device) if need_h else None
         one = step >= n
@@ -285,7 +311,7 @@ def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: 
             stop = min(start + step, n)
             hb = hc[start:stop]
             z = F.linear(hb, w, b)
-            losses[start:stop] = _rows(z, t[start:stop], scale[start:stop], ops, smoothing, grad)
+            losses[start:stop] = _rows(z, t[start:stop], scale[start:stop], ops, smoothing, grad, cwf)
             if need_h:
                 torch.mm(z, w, out=dh[start:stop])
             if need_w:
@@ -297,7 +323,8 @@ def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: 
                 part = z.sum(dim=0, dtype=torch.float32)
                 db = part if db is None else db.add_(part)
             del z
-        loss = torch.where(valid, losses, 0.0).sum()
+        losses = torch.where(valid, losses, 0.0)
+        loss = losses if mean is None else losses.sum()
         if mean:
             loss = loss / count
     if acc is not None:
@@ -333,9 +360,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     invact::linear_cross_entropy (below), which runs the same _forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean):
+    def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean, cw=None):
         loss, dh, dw, db = _forward(hidden, weight, bias, target, ops, ignore_index, smoothing, mean,
-                                    ctx.needs_input_grad[:3])  # fmt: skip
+                                    ctx.needs_input_grad[:3], cw)  # fmt: skip
         for g in (dw, db):  # the parameters' gradients: no activation memory (invact.memory.count_saved)
             if g is not None:
                 setattr(g, EARLY_GRADIENT, True)
@@ -345,7 +372,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dh, dw, db = _scaled(ctx.saved_tensors, grad)
-        return dh, dw, db, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None
 
 
 # torch.compile records the loss as one custom op: it returns the loss and its gradients (empty where
@@ -404,30 +431,94 @@ def _op_backward(ctx, grad, _dh, _dw, _db):
 _op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
+class _PerRow(torch.autograd.Function):
+    """reduction "none": each row's loss (rows,), fp32, computed a chunk at a time without a gradient (one
+    matmul); the backward computes the chunks again with each row's gradient as its factor (three). Saved:
+    the references to hidden, weight, bias, target and class weights it is given, no logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, cw, ops, ignore_index, smoothing):
+        losses = _forward(hidden, weight, bias, target, ops, ignore_index, smoothing, None,
+                          (False, False, False), cw)[0]  # fmt: skip
+        ctx.save_for_backward(hidden, weight, bias, target, cw)
+        ctx.args = ops, ignore_index, smoothing
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, target, cw = ctx.saved_tensors
+        ops, ignore_index, smoothing = ctx.args
+        _, dh, dw, db = _forward(hidden, weight, bias, target, ops, ignore_index, smoothing, False,
+                                 ctx.needs_input_grad[:3], cw, given=grad)  # fmt: skip
+        return dh, dw, db, None, None, None, None, None
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
 def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
     target: torch.Tensor,
-    bias: torch.Tensor | None = None,
     *,
-    ops: tuple = (),
-    ignore_index: int = -100,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
     reduction: str = "mean",
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
+    ops: tuple = (),
 ) -> torch.Tensor:
-    """F.cross_entropy(transform(F.linear(hidden, weight, bias)).float(), target, ...) without the
-    logits: hidden (rows, in) or (..., in), weight (vocab, in), bias (vocab,) or None, target class
-    indices (rows,) or (...); `ops` the transform, a tuple of ("mul", float), ("div", float) and
-    ("tanh",) applied in order. reduction "mean" (over rows whose target is not ignore_index, as
-    F.cross_entropy: nan if there are none) or "sum". Returns an fp32 scalar. Gradients reach hidden,
-    weight and bias."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    """F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...) without the logits: the
+    signature of torch's F.linear_cross_entropy (2.13; here on every torch invact supports), computed a
+    chunk of rows at a time with its gradients in the forward (three matmuls in all, as eager's).
+
+    input (rows, in), (in,) or (..., in); linear_weight (vocab, in); linear_bias (vocab,) or None; target
+    class indices of input's leading shape; weight: class weights (vocab,) or None; reduction "mean"
+    (over the rows whose target is not ignore_index, weighted by their classes' weights: nan where none
+    counts), "sum" or "none" (each row's loss, target's shape: then the backward computes the chunks
+    again, four matmuls in all); ignore_index None means -100; label_smoothing in [0, 1]. `ops`
+    (invact's own) is a transform between the head and the loss, a tuple of ("mul", float), ("div",
+    float) and ("tanh",) applied in order (Gemma 2's soft-cap: div, tanh, mul).
+
+    Returns fp32 (torch's rounds the loss to input's dtype); gradients reach input, linear_weight and
+    linear_bias. Class probabilities as target run torch's own ops (logits materialized). Under
+    torch.compile, "mean" and "sum" without class weights are the custom op invact::linear_cross_entropy
+    (the same chunks and kernels); class weights and "none" run torch's ops for inductor to compile."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    hidden, target = _as_rows(hidden, target)
-    return _loss(hidden, weight, bias, target, tuple(ops), ignore_index, float(label_smoothing),
-                 reduction == "mean", torch.compiler.is_compiling())  # fmt: skip
+    ignore_index = -100 if ignore_index is None else ignore_index
+    if input.dim() == 0:
+        raise ValueError("input must have at least one dimension (in_features)")
+    if target.is_floating_point() or (reduction == "none" or weight is not None) and _compiling():
+        return _reference(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                          label_smoothing, ops)  # fmt: skip
+    shape = target.shape
+    hidden, target = _as_rows(input, target)
+    if reduction == "none":
+        return _PerRow.apply(hidden, linear_weight, linear_bias, target, weight, tuple(ops), ignore_index,
+                             float(label_smoothing)).reshape(shape)  # fmt: skip
+    return _loss(hidden, linear_weight, linear_bias, target, tuple(ops), ignore_index, float(label_smoothing),
+                 reduction == "mean", _compiling(), weight)  # fmt: skip
+
+
+_compiling = torch.compiler.is_compiling
+
+
+def _reference(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, smoothing, ops):
+    """The logits, then F.cross_entropy on them in fp32 (the transform `ops` between): what the chunked
+    path computes, for the cases it leaves to torch's ops."""
+    z = F.linear(input, linear_weight, linear_bias)
+    for op in ops:
+        z = z * op[1] if op[0] == "mul" else z / op[1] if op[0] == "div" else torch.tanh(z)
+    z = z.float()
+    if input.dim() > 2:
+        z, target = z.reshape(-1, z.shape[-1]), target.reshape(-1, *target.shape[input.dim() - 1 :])
+    loss = F.cross_entropy(z, target.float() if target.is_floating_point() else target,
+                           weight=None if weight is None else weight.float(), ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=smoothing)  # fmt: skip
+    return loss.reshape(input.shape[:-1]) if reduction == "none" else loss
 
 
 def _as_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -439,22 +530,23 @@ def _as_rows(hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smoothing: float, mean: bool,
-          compiling: bool):  # fmt: skip
+          compiling: bool, cw: torch.Tensor | None = None):  # fmt: skip
     """linear_cross_entropy on arguments it has checked: hidden (rows, in), target (rows,), reduction
-    "mean" where `mean`, else "sum"; `compiling`: torch.compiler.is_compiling()."""
+    "mean" where `mean`, else "sum"; `compiling`: torch.compiler.is_compiling() (then `cw`, the class
+    weights, is None)."""
     grad = torch.is_grad_enabled()
     if not grad and not compiling:  # the loss alone (one matmul), on no autograd graph
         return _forward(hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean,
-                        (False, False, False))[0]  # fmt: skip
+                        (False, False, False), cw)[0]  # fmt: skip
     if compiling:  # the op, Dynamo's one call (its gradients where any is wanted)
         needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         return torch.ops.invact.linear_cross_entropy(hidden, weight, bias, target, _encode_ops(ops),
                                                      ignore_index, label_smoothing, mean,
                                                      needs)[0]  # fmt: skip
     if _is_wrapped(hidden):  # a dead torch.func wrapper: autograd.Function.apply unwraps it
-        args = hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean
+        args = hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean, cw
         return _LinearCrossEntropy.apply(*args)
-    return _apply(hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean)
+    return _apply(hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean, cw)
 
 
 # _LinearCrossEntropy's apply without autograd.Function.apply's Python layer (see

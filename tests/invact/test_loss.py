@@ -102,7 +102,7 @@ def test_fp32_within_the_derived_bound_of_float64(blocks, transform, smoothing, 
     want = _run(lambda h, w, b: _eager(h, w, b, t, ops, smoothing, reduction), tensors, torch.float64)
     got = _run(
         lambda h, w, b: L.linear_cross_entropy(
-            h, w, t, b, ops=ops, label_smoothing=smoothing, reduction=reduction
+            h, w, t, linear_bias=b, ops=ops, label_smoothing=smoothing, reduction=reduction
         ),
         tensors,
         torch.float32,
@@ -144,7 +144,9 @@ def test_16bit_no_farther_from_float64_than_eager(blocks, transform, dtype, seed
     tensors = (h, w, b)
     want = _run(lambda h, w, b: _eager(h, w, b, t, ops, 0.0, "mean"), tensors, torch.float64)
     eager = _errors(_run(lambda h, w, b: _eager(h, w, b, t, ops, 0.0, "mean"), tensors, dtype), want)
-    ours = _errors(_run(lambda h, w, b: L.linear_cross_entropy(h, w, t, b, ops=ops), tensors, dtype), want)
+    ours = _errors(
+        _run(lambda h, w, b: L.linear_cross_entropy(h, w, t, linear_bias=b, ops=ops), tensors, dtype), want
+    )
     slack = [_fp32_bound(ROWS, HIDDEN, VOCAB)] * 4
     slack[2] += _chunk_slack(h, w, b, t, ops, dtype)  # the weight's (loss, hidden, weight, bias)
     assert all(o <= e + s for o, e, s in zip(ours, eager, slack, strict=True)), (ours, eager, slack)
@@ -159,7 +161,9 @@ def test_one_block_without_smoothing_is_eagers_loss_bit_for_bit(bias, reduction)
     tensors = (h, w, b if bias else None)
     want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, reduction), tensors, torch.float32)
     got = _run(
-        lambda h, w, b: L.linear_cross_entropy(h, w, t, b, reduction=reduction), tensors, torch.float32
+        lambda h, w, b: L.linear_cross_entropy(h, w, t, linear_bias=b, reduction=reduction),
+        tensors,
+        torch.float32,
     )
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, e) for a, e in zip(got[1], want[1], strict=True))
@@ -170,7 +174,9 @@ def test_all_targets_ignored_behaves_as_eager(blocks, reduction):
     h, w, b, t = _case(0, ignored=ROWS)
     want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, reduction), (h, w, b), torch.float32)
     got = _run(
-        lambda h, w, b: L.linear_cross_entropy(h, w, t, b, reduction=reduction), (h, w, b), torch.float32
+        lambda h, w, b: L.linear_cross_entropy(h, w, t, linear_bias=b, reduction=reduction),
+        (h, w, b),
+        torch.float32,
     )
     # mean: 0 / 0 = nan, as eager; sum: 0; gradients zero (nan times zero where eager's mean is nan)
     assert torch.equal(got[0].isnan(), want[0].isnan()) and (got[0].isnan() or got[0] == want[0] == 0)
@@ -183,7 +189,8 @@ def test_large_finite_inputs_give_finite_loss_and_gradients(blocks, transform):
     # Logits up to about 1e4 (hidden 300 times the usual scale): exp overflows fp32 beyond 88.7, so a
     # naive softmax would not be finite; the log-sum-exp is.
     h, w, b, t = _case(0, scale=300.0)
-    loss, grads = _run(lambda h, w, b: L.linear_cross_entropy(h, w, t, b, ops=TRANSFORMS[transform]),
+    ops = TRANSFORMS[transform]
+    loss, grads = _run(lambda h, w, b: L.linear_cross_entropy(h, w, t, linear_bias=b, ops=ops),
                        (h, w, b), torch.float32)  # fmt: skip
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
 
@@ -191,7 +198,7 @@ def test_large_finite_inputs_give_finite_loss_and_gradients(blocks, transform):
 def test_bad_arguments_are_one_line_errors():
     h, w, _, t = _case(0)
     with pytest.raises(ValueError, match="reduction"):
-        L.linear_cross_entropy(h, w, t, reduction="none")
+        L.linear_cross_entropy(h, w, t, reduction="mode")
     with pytest.raises(ValueError, match="targets for"):
         L.linear_cross_entropy(h, w, t[:-1])
     with pytest.raises(ValueError, match="label_smoothing"):

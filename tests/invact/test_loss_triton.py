@@ -83,6 +83,6 @@ def test_a_head_with_a_bias_takes_the_kernels_and_its_gradient(kernels):
     h, w, b, t = _case(0)
     assert loss_op._kernels(h.float(), ())
     want = _run(lambda h, w, b: _eager(h, w, b, t, (), 0.0, "mean"), (h, w, b), torch.float64)
-    got = _run(lambda h, w, b: L.linear_cross_entropy(h, w, t, b), (h, w, b), torch.float32)
+    got = _run(lambda h, w, b: L.linear_cross_entropy(h, w, t, linear_bias=b), (h, w, b), torch.float32)
     bound = _fp32_bound(ROWS, HIDDEN, VOCAB)
     assert max(_errors(got, want)) <= bound
