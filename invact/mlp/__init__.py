@@ -4,18 +4,18 @@ and the replacement (`fuse`, and invact.mlp.gated's recompute hooks through `rec
 MLP block as one autograd Function and its custom ops are invact.mlp.op; a MoE's experts' ops
 invact.mlp.experts.
 
-Three forwards are recognised, by the module's traced graph (torch.fx, one level deep), not by class
-name: gated, down(act(gate(x)) * up(x)) (Llama's MLP and its many copies), plain, down(act(up(x)))
-(nn.Sequential(Linear, act, Linear); CLIP's, GPT-NeoX's and Phi's MLPs), and a fused gate_up,
-down(act(g) * u) with g, u = gate_up(x).chunk(2, -1) (Phi-3's; under torch.compile only, below), with
-act an InvAct and the projections plain nn.Linear. `fuse` sets a Forward on such a module: its calls run
-the projections, the activation and the multiply as one Function whose one Python node in backward
-replaces five autograd nodes (three for the plain form), and which saves what the modules save without
-the gated product h = y * u: x, y = act(g) with its bits, u, and the weights (h is recomputed in
-backward, as invact.mlp.gated's hooks recompute it, without their Python call per saved tensor). Measured on
-a 2-core Intel Xeon (AVX-512), 1 thread, benchmarks/host_time.py --rounds 41, forward + backward at
-batch 4 (torch's modules = 1): SwiGLU MLP 16-32-16 with the gated hooks 1.90x, as this Function 1.15x;
-the plain MLP 16-64-16 1.12x.
+Three forwards are recognised, by the module's traced graph (torch.fx, one level deep), not by class name:
+gated, down(act(gate(x)) * up(x)) (Llama's MLP and its many copies), plain, down(act(up(x)))
+(nn.Sequential(Linear, act, Linear); CLIP's, GPT-NeoX's and Phi's MLPs), and a fused gate_up, down(act(g) * u)
+with g, u = gate_up(x).chunk(2, -1) (Phi-3's; under torch.compile only, below), with act an InvAct and the
+projections plain nn.Linear (nn.Linear's forward: the class, or a subclass that keeps it). `fuse` sets a
+Forward on such a module: its calls run the projections, the activation and the multiply as one Function whose
+one Python node in backward replaces five autograd nodes (three for the plain form), and which saves what the
+modules save without the gated product h = y * u: x, y = act(g) with its bits, u, and the weights (h is
+recomputed in backward, as invact.mlp.gated's hooks recompute it, without their Python call per saved tensor).
+Measured on a 2-core Intel Xeon (AVX-512), 1 thread, benchmarks/host_time.py --rounds 41, forward + backward
+at batch 4 (torch's modules = 1): SwiGLU MLP 16-32-16 with the gated hooks 1.90x, as this Function 1.15x; the
+plain MLP 16-64-16 1.12x.
 
 Under torch.compile the gated form runs its modules' projections and activation, then down(y * u) as
 the custom op invact::gated_linear; a fused gate_up (Phi-3's MLP, recognised too, with no eager
@@ -24,6 +24,12 @@ activation's op saves the y the down projection keeps). Both ops are defined in 
 experts module runs invact.mlp.experts' ops under compile (one they do not take, its reason appended
 to its activation's Decision: _experts_note), and any other hooked gated module with three
 projections (T5's) a selective checkpoint that recomputes its product (Recomputed).
+
+A module whose forward calls its activation as a function, down(f(gate(x)) * up(x)) or down(f(up(x)))
+with f torch calls that compute a spec activation (torchtitan's FeedForward, nanochat's MLP), is found
+by match_functional (invact.mlp.functional checks what the calls compute) and fused the same way
+(fuse_functional), with a Decision of its own (kind "mlp", `_functional`); its calls the Function does
+not take run its own forward, which calls the function (no recompute hooks: the product is saved there).
 
 A call the Function does not take runs the module's own forward (under invact.mlp.gated's recompute
 hooks for the gated form): under torch.compile (above), inside
@@ -37,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import dis
 import functools
+import inspect
 import logging
 import operator
 from typing import NamedTuple
@@ -51,10 +58,10 @@ from invact._traced import as_ops
 from invact.activation import _bits
 from invact.activation.activations import ACTIVATIONS
 from invact.activation.modules import InvAct
-from invact.activation.ops import _is_wrapped
+from invact.activation.ops import _is_wrapped, invact
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
-from invact.mlp import experts
+from invact.mlp import experts, functional
 from invact.mlp.gated import _Hooks
 from invact.mlp.op import _apply, gate_up_linear, gated_linear
 
@@ -62,6 +69,12 @@ log = logging.getLogger("invact")
 
 _MULTIPLY = (operator.mul, torch.mul, torch.Tensor.mul)
 _LEAF_PARAMETER = (nn.Parameter, torch.Tensor)  # not a tensor subclass (DTensor, a quantized weight)
+
+
+def _linear(module) -> bool:
+    """`module` is an nn.Linear that computes nn.Linear's forward: the class itself, or a subclass that
+    changes no forward (torchtitan's configurable Linear); not one of its own (bitsandbytes' Linear4bit)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 class Pattern(NamedTuple):
@@ -74,6 +87,9 @@ class Pattern(NamedTuple):
     down: str
     up_first: bool = False
     chunked: bool = False  # gate and up are the halves of one projection (`up` names it, `gate` too)
+    # The activation (a name in ACTIVATIONS) where the forward calls it as a function (invact.mlp.functional;
+    # `act` is then ""); None where `act` names an InvAct child.
+    function: str | None = None
 
 
 class _OneLevel(torch.fx.Tracer):
@@ -87,22 +103,9 @@ def match(module: nn.Module) -> Pattern | None:
     """The Pattern where `module`'s forward, traced one level deep, is exactly down(act(gate(x)) *
     up(x)) (either operand order) or down(act(up(x))), x its one argument, act an InvAct and the
     projections plain nn.Linear; None for any other forward, or one that does not trace."""
-    if "forward" in module.__dict__:  # forward replaced on the instance (accelerate's hooks, ours)
+    nodes = _traced_nodes(module, (3, 4))
+    if nodes is None:
         return None
-    # Traced only where it can be one of the forms (three or four children) and the forward stores no
-    # attribute: tracing runs the forward's Python with proxies, which such a store would leave behind.
-    code = getattr(type(module).forward, "__code__", None)
-    if (
-        len(module._modules) not in (3, 4)
-        or code is None
-        or any(i.opname in ("STORE_ATTR", "DELETE_ATTR", "STORE_GLOBAL") for i in dis.get_instructions(code))
-    ):
-        return None
-    try:
-        graph = _OneLevel().trace(module)
-    except Exception:  # noqa: BLE001 - any failure to trace means: not this structure
-        return None
-    nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if len(inputs) != 1 or any(n.kwargs and not _halves(n) for n in nodes if n.op != "output"):
         return None
@@ -127,20 +130,115 @@ def match(module: nn.Module) -> Pattern | None:
                 gate = a.args[0]
                 found = Pattern(called(b, x), called(gate, x), called(a, gate), called(down, h),
                                 nodes.index(b) < nodes.index(gate))  # fmt: skip
-                if None not in found and len(h.users) == 1:
+                if None not in found[:4] and len(h.users) == 1:
                     break
     elif len(nodes) == 9 and h.op == "call_function" and h.target in _MULTIPLY and len(h.args) == 2:
         found = _chunked(h, x, called, down)
     if found is not None and found.chunked:
         linear = [found.up, found.down]
-        ok = None not in found and isinstance(children[found.act], InvAct)
-        return found if ok and all(type(children[n]) is nn.Linear for n in linear) else None
+        ok = None not in found[:4] and isinstance(children[found.act], InvAct)
+        return found if ok and all(_linear(children[n]) for n in linear) else None
     if found is None or None in (found.up, found.act, found.down) or found.up == found.gate:
         return None
     linear = [found.up, found.down] + ([] if found.gate is None else [found.gate])
-    if not isinstance(children[found.act], InvAct) or any(type(children[n]) is not nn.Linear for n in linear):
+    if not isinstance(children[found.act], InvAct) or not all(_linear(children[n]) for n in linear):
         return None
     return found
+
+
+def _traced_nodes(module: nn.Module, children: tuple[int, ...]) -> list[torch.fx.Node] | None:
+    """The nodes of `module`'s forward traced one level deep, or None: where its forward was replaced
+    on the instance (accelerate's hooks, ours), it has another number of children than `children`,
+    or its forward stores an attribute (tracing runs the forward's Python with proxies, which such a
+    store would leave behind), or it does not trace."""
+    if "forward" in module.__dict__:
+        return None
+    code = getattr(type(module).forward, "__code__", None)
+    if (
+        len(module._modules) not in children
+        or code is None
+        or any(i.opname in ("STORE_ATTR", "DELETE_ATTR", "STORE_GLOBAL") for i in dis.get_instructions(code))
+    ):
+        return None
+    try:
+        return list(_OneLevel().trace(module).nodes)
+    except Exception:  # noqa: BLE001 - any failure to trace means: not this structure
+        return None
+
+
+_VARIADIC = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+
+
+def match_functional(module: nn.Module) -> tuple[Pattern, float] | None:
+    """(the Pattern, the largest distance in ulps between its activation's calls and the spec's op) where
+    `module`'s forward, traced one level deep, is exactly down(f(gate(x)) * up(x)) (either operand
+    order) or down(f(up(x))), x its one argument, the projections plain nn.Linear children and f torch
+    calls on one tensor that compute an activation of the spec (invact.mlp.functional); None for any
+    other forward, or one that does not trace."""
+    # Traced only where the forward takes one argument (self, x): a model's forward (a causal LM with two
+    # children, its body and head) is never traced for this.
+    code = getattr(type(module).forward, "__code__", None)
+    if code is None or code.co_argcount != 2 or code.co_kwonlyargcount or code.co_flags & _VARIADIC:
+        return None
+    nodes = _traced_nodes(module, (2, 3))
+    if nodes is None or nodes[-1].op != "output" or not isinstance(nodes[-1].args[0], torch.fx.Node):
+        return None
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    down = nodes[-1].args[0]
+    children = module._modules
+    if len(inputs) != 1 or down.op != "call_module" or len(down.args) != 1 or down.kwargs:
+        return None
+    x, h = inputs[0], down.args[0]
+
+    def projection(node) -> str | None:
+        """The child nn.Linear `node` calls on x alone."""
+        ok = (
+            isinstance(node, torch.fx.Node)
+            and node.op == "call_module"
+            and node.args == (x,)
+            and not node.kwargs
+        )
+        return node.target if ok and _linear(children.get(node.target)) else None
+
+    # (gate's node or None, up's node, the activation's output): the activation's calls start at a
+    # projection's output, which chain() then checks
+    projections = [n for n in nodes if projection(n) is not None]
+    candidates = []
+    if (
+        isinstance(h, torch.fx.Node)
+        and h.op == "call_function"
+        and h.target in _MULTIPLY
+        and len(h.args) == 2
+    ):
+        for a, b in (h.args, h.args[::-1]):
+            if (
+                b in projections
+                and len(b.users) == 1
+                and isinstance(a, torch.fx.Node)
+                and a.op != "call_module"
+            ):
+                candidates += [(n, b, a) for n in projections if n is not b]
+    if isinstance(h, torch.fx.Node):  # plain: a multiply may be the activation's own (x * sigmoid(x))
+        candidates += [(None, n, h) for n in projections]
+    for gate, up, out in candidates:
+        root = up if gate is None else gate
+        calls = functional.chain(root, out)
+        if calls is None or not _linear(children.get(down.target)):
+            continue
+        used = {x, nodes[-1], down, up, *calls} | ({h, gate} if gate is not None else set())
+        if used != set(nodes) or any(n.kwargs for n in nodes if n not in calls and n.op != "output"):
+            continue
+        if not set(root.users) <= set(calls) or (gate is not None and len(h.users) != 1):
+            continue
+        found = functional.which(calls, root)
+        if found is None:
+            return None
+        name, ulps = found
+        first = up if gate is None else min(up, gate, key=nodes.index)
+        pattern = Pattern(up.target, None if gate is None else gate.target, "", down.target,
+                          gate is not None and first is up, function=name)  # fmt: skip
+        return pattern, ulps
+    return None
 
 
 def _halves(node: torch.fx.Node) -> bool:
@@ -191,7 +289,7 @@ def _parameters(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, to
     """(weight, bias) of a plain nn.Linear of this dtype whose call runs its forward alone; None for
     any other module. Read from _parameters, where nn.Module's attribute lookup finds them (FSDP2
     puts its unsharded parameters there too): that lookup is a Python __getattr__ call each time."""
-    if type(module) is not nn.Linear or not _bare(module):
+    if not _linear(module) or not _bare(module):
         return None
     parameters = module._parameters
     w, b = parameters["weight"], parameters["bias"]
@@ -217,8 +315,9 @@ class Forward:
     self.forward). `hooks`: invact.mlp.gated's recompute hooks of a gated module, entered around its own
     forward where the Function does not serve a call; None for the plain form."""
 
-    def __init__(self, module: nn.Module, pattern: Pattern, hooks=None) -> None:
+    def __init__(self, module: nn.Module, pattern: Pattern, hooks=None, mode: str = "bits") -> None:
         self.module, self.pattern, self.hooks = module, pattern, hooks
+        self.mode = mode  # the activation's mode where the forward calls it as a function (pattern.function)
 
     def __call__(self, *args, **kwargs):
         module = self.module
@@ -254,7 +353,7 @@ class Forward:
         the module's own forward where down is no longer a plain nn.Linear, for the plain form (the
         activation's op saves y, which down keeps too) and for any other call."""
         module = self.module
-        children, (up, gate, act, down, up_first, chunked) = module._modules, self.pattern
+        children, (up, gate, act, down, up_first, chunked, function) = module._modules, self.pattern
         down = children[down]
         if (
             gate is None
@@ -262,8 +361,8 @@ class Forward:
             or kwargs
             or not isinstance(args[0], torch.Tensor)
             or not torch.is_grad_enabled()
-            or not isinstance(children[act], InvAct)
-            or type(down) is not nn.Linear
+            or (function is None and not isinstance(children[act], InvAct))
+            or not _linear(down)
             or not _bare(down)
         ):
             return type(module).forward(module, *args, **kwargs)
@@ -280,7 +379,7 @@ class Forward:
         else:
             g = children[gate](x)
             u = children[up](x)
-        y = children[act](g)
+        y = children[act](g) if function is None else invact(g, function, self.mode)
         weight, bias = _cast_for(down, y)
         if y.dtype is not u.dtype or y.dtype is not weight.dtype:
             return down(y * u)
@@ -304,10 +403,14 @@ class Forward:
                 compute = torch.get_autocast_dtype(device)  # what F.linear casts x and the weights to
                 if compute is not dtype and dtype is not torch.float32:
                     return None  # autocast casts float32 alone
-        children, (up, gate, act, down, *_) = self.module._modules, self.pattern
-        act = children[act]
-        if not isinstance(act, InvAct) or type(act).forward is not InvAct.forward or not _bare(act):
-            return None
+        children, (up, gate, act, down, *_, function) = self.module._modules, self.pattern
+        if function is not None:
+            activation, mode = function, self.mode
+        else:
+            act = children[act]
+            if not isinstance(act, InvAct) or type(act).forward is not InvAct.forward or not _bare(act):
+                return None
+            activation, mode = act.activation, act.mode
         up, down = _parameters(children[up], dtype), _parameters(children[down], dtype)
         gate = (None, None) if gate is None else _parameters(children[gate], dtype)
         if up is None or down is None or gate is None:
@@ -316,11 +419,11 @@ class Forward:
             gate[0] is None or not gate[0].requires_grad
         ):
             return None  # nothing to save: the modules as they are
-        precision_bit = act.mode == "precision_bit"
+        precision_bit = mode == "precision_bit"
         if precision_bit and not _bits.supports_precision_bit(compute):
             return None  # the activation raises its own error for the dtype
         gated = gate[0] is not None
-        return _apply(x, x if gated else None, *up, *gate, *down, ACTIVATIONS[act.activation], precision_bit,
+        return _apply(x, x if gated else None, *up, *gate, *down, ACTIVATIONS[activation], precision_bit,
                       self.pattern.up_first, compute)  # fmt: skip
 
 
@@ -334,6 +437,8 @@ class FusedMLP(nn.Module):
         if pattern is not None and pattern.chunked:
             return repr("gated MLP of a fused gate_up: one op under torch.compile")
         form = "gated" if pattern is not None and pattern.gate is not None else "plain"
+        if pattern is not None and pattern.function is not None:
+            return repr(f"{form} MLP calling {pattern.function} as a function, as one Function")
         return repr(f"{form} MLP as one Function")
 
 
@@ -348,6 +453,18 @@ def fuse(module: nn.Module, hooks=None, gated: bool = True) -> Pattern | None:
     module.forward = Forward(module, pattern, hooks if pattern.gate is not None else None)
     swap(module, FusedMLP)
     return pattern
+
+
+def fuse_functional(module: nn.Module, mode: str) -> Pattern | None:
+    """Set Forward as `module`'s forward where match_functional() recognises it (an activation called as
+    a function: its calls the Function does not take run the module's own forward, which calls it);
+    the Pattern set, or None."""
+    found = match_functional(module)
+    if found is None:
+        return None
+    module.forward = Forward(module, found[0], None, mode)
+    swap(module, FusedMLP)
+    return found[0]
 
 
 # What a Recomputed module's compiled forward saves: the outputs of invact's ops (the activation's y and
@@ -441,8 +558,10 @@ def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:
     parent): every one without example inputs (harmless where it holds no product); with them, those
     where the activation kind's forward measured a gated product (set there), and the parents of
     InvAct modules whose mode alone changes (nothing measured). Adds no decision of its own."""
+    functional_decisions = _functional(model, options, plan)
+    names = [d.name for d in functional_decisions]
     if not options.gated:
-        return Found(plan, [])
+        return Found(plan + functional_decisions, names)
 
     def hooked(d: Decision) -> bool:
         if d.kind != "activation" or not d.replace or d.gated is not None:
@@ -451,7 +570,55 @@ def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:
         return options.example_inputs is None or isinstance(getattr(owner, attr, None), InvAct)
 
     refined = [dataclasses.replace(d, gated=kinds.parent_name(d.name)) if hooked(d) else d for d in plan]
-    return Found([_experts_note(model, d) for d in refined], [])
+    return Found([_experts_note(model, d) for d in refined] + functional_decisions, names)
+
+
+# The name of a functional MLP's decision: the module, then what its forward calls ("layers.0.mlp" and
+# an activation NAME: "layers.0.mlp.forward:NAME"), so that kinds.parent_name gives the module.
+_CALLS = ".forward:"
+
+
+def _functional(model: nn.Module, options: Options, plan: list[Decision]) -> list[Decision]:
+    """One Decision (kind "mlp") per module whose forward is a gated or plain MLP calling its activation as
+    a function (match_functional): replaced, its forward then one Function that saves x, y and its bits
+    (and u, the gated form), or left alone with the reason. Without example inputs as with them: the
+    Function's saved tensors are its own, a subset of what the module's ops save (no dropout or other
+    op stands between them: the forward is exactly the form), so it never saves more. A module fused
+    by an earlier patch() gets a decision where the mode changes."""
+    decided = {kinds.parent_name(d.name) for d in plan}
+    decisions = []
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, Forward) and forward.pattern.function is not None:
+            pattern, ulps, again = forward.pattern, None, True
+        elif name in decided or len(module._modules) not in (2, 3):
+            continue
+        else:
+            found = match_functional(module)
+            if found is None:
+                continue
+            (pattern, ulps), again = found, False
+        full = f"{name}{_CALLS}{pattern.function}" if name else _CALLS[1:] + pattern.function
+        cls = kinds.qualname(module)
+        form = "gated" if pattern.gate is not None else "plain"
+        if again:
+            if forward.mode != options.mode and kinds.selected(full, options.include, options.exclude):
+                decisions.append(Decision(full, cls, True, f"already one Function: mode {forward.mode!r} -> "
+                                                           f"{options.mode!r}", kind=KIND.name))  # fmt: skip
+            continue
+        exact = "exactly" if ulps == 0 else f"within {ulps:g} ulp (its own composition of torch ops)"
+        y = "y" if ACTIVATIONS[pattern.function].monotone else "y and its bits"
+        does = (f"its forward calls {pattern.function} as a function (reproduced {exact}) in a {form} MLP: "
+                f"one Function saving x, {y}{', u' if form == 'gated' else ''}")  # fmt: skip
+        if not kinds.selected(full, options.include, options.exclude):
+            decisions.append(Decision(full, cls, False, "excluded by include/exclude", kind=KIND.name))
+        elif form == "gated" and not options.gated:
+            decisions.append(Decision(full, cls, False, f"gated=False keeps its product saved; {does}",
+                                      kind=KIND.name))  # fmt: skip
+        else:
+            decisions.append(Decision(full, cls, True, does, gated=name if form == "gated" else None,
+                                      kind=KIND.name))  # fmt: skip
+    return decisions
 
 
 def _experts_note(model: nn.Module, d: Decision) -> Decision:
@@ -484,7 +651,17 @@ def apply(model: nn.Module, plan: list[Decision], options: Options) -> list[str]
     parents = {kinds.parent_name(d.name) for d in plan if d.replace and d.kind == "activation"}
     for name in sorted(parents | earlier):
         fuse(model.get_submodule(name), gated=False)
-    return []
+    taken = []
+    for d in plan:  # the MLPs calling their activation as a function (_functional)
+        if d.kind == KIND.name and d.replace:
+            module = model.get_submodule(kinds.parent_name(d.name))
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, Forward):
+                forward.mode = options.mode
+            elif fuse_functional(module, options.mode) is None:
+                continue
+            taken.append(d.name)
+    return taken
 
 
 KIND = Kind("mlp", decide, apply)
