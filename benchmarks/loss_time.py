@@ -143,13 +143,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="rounds of every variant (default 7)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--small", action="store_true", help="small shapes (a check that it runs)")
+    parser.add_argument("--only", default=None, help="the shapes whose label contains this text")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file (default: results/)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for shape in SMALL if args.small else SHAPES:
+    shapes = [s for s in (SMALL if args.small else SHAPES) if args.only is None or args.only in s[0]]
+    if not shapes:
+        parser.error(f"--only {args.only!r}: no shape's label contains it")
+    for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             rows.append(measure(*shape, dtype, device, args.rounds))
             r = rows[-1]
