@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterable
 
@@ -145,10 +146,23 @@ CPU_PACKED_K = 32
 MKLDNN_GEMM_MIN_SIZE = 16 * 16 * 16
 
 
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether torch sends a CPU bf16 matmul to oneDNN on this machine. ATen asks ideep for bf16 support
+    (mkldnn_bf16_device_check), which an x86 CPU has from AVX-512 on (avx512_core; AMX and avx512_bf16
+    run it natively); on an AVX2 CPU torch runs its own bf16 kernel, which allocates nothing inside
+    (measured: 2-core AMD EPYC, AVX2, torch 2.13: (64 x 32000) x (32000 x 32) in bf16 allocated its
+    output alone, where the planned scratchpad is 3.9 MiB). AVX2 CPUs with AVX-NE-CONVERT, which oneDNN
+    also takes, are read as AVX2 here (unmeasured)."""
+    check = getattr(torch.cpu, "_is_avx512_supported", None)
+    return True if check is None else bool(check())
+
+
 def cpu_matmul_workspace(func, args, threads: int | None = None) -> int:
     """Bytes a CPU matmul allocates inside itself, as planned (0 where none is planned): a bf16 mm or
     addmm of a row-major A (M x K, M >= 2) by a row-major B (K x N) with 2 <= N <= CPU_PACKED_N, which
-    torch runs with oneDNN (M x K x N above MKLDNN_GEMM_MIN_SIZE), copies B whole, K padded to
+    torch runs with oneDNN (M x K x N above MKLDNN_GEMM_MIN_SIZE, on a CPU it sends bf16 matmuls to
+    oneDNN on: _onednn_bf16), copies B whole, K padded to
     CPU_PACKED_K and N to CPU_PACKED_N, into a buffer for each of `threads` threads
     (torch.get_num_threads() where None: a plan for a CPU is for the machine it runs on). Other
     matmuls' buffers (a few hundred KiB a thread at 2 threads) are not planned."""
@@ -159,6 +173,8 @@ def cpu_matmul_workspace(func, args, threads: int | None = None) -> int:
     else:
         return 0
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 2:
+        return 0
+    if not _onednn_bf16():
         return 0
     (m, k), n = a.shape, b.shape[1]
     if not 2 <= n <= CPU_PACKED_N or m < 2 or m * k * n <= MKLDNN_GEMM_MIN_SIZE:

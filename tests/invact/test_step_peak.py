@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from invact import step_peak
 from invact.step_peak import CPU_PACKED_N, RECIPES, LiveBytes, cpu_matmul_workspace
 
 transformers = pytest.importorskip("transformers")
@@ -188,7 +189,18 @@ def test_the_planned_workspace_is_onednns_copy_of_a_narrow_b(m, k, n):
         assert 0 <= measured - planned <= SCRATCH_REST, (func, measured, planned)
 
 
-def test_no_workspace_is_planned_but_a_narrow_bf16_bs():
+@pytest.mark.skipif(step_peak._onednn_bf16(), reason="this CPU's bf16 matmuls run oneDNN's kernels")
+@pytest.mark.parametrize("m, k, n", _NARROW)
+def test_where_torch_runs_its_own_bf16_kernel_no_workspace_is_planned_or_made(m, k, n):
+    # an AVX2 CPU: torch's own bf16 matmul allocates its output alone
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    assert cpu_matmul_workspace(torch.ops.aten.mm.default, (a, b)) == 0
+    measured = step_plan.profiled_peak(functools.partial(torch.ops.aten.mm.default, a, b))["peak"]
+    assert measured == m * n * 2
+
+
+def test_no_workspace_is_planned_but_a_narrow_bf16_bs(monkeypatch):
+    monkeypatch.setattr(step_peak, "_onednn_bf16", lambda: True)  # the plan on a CPU that runs oneDNN's
     aten = torch.ops.aten
     a, b = torch.empty(64, 4096, dtype=torch.bfloat16), torch.empty(4096, CPU_PACKED_N, dtype=torch.bfloat16)
     assert cpu_matmul_workspace(aten.mm.default, (a, b), threads=4) == 4 * 4096 * CPU_PACKED_N * 2
