@@ -72,9 +72,17 @@ _LEAF_PARAMETER = (nn.Parameter, torch.Tensor)  # not a tensor subclass (DTensor
 
 
 def _linear(module) -> bool:
-    """`module` is an nn.Linear that computes nn.Linear's forward: the class itself, or a subclass that
-    changes no forward (torchtitan's configurable Linear); not one of its own (bitsandbytes' Linear4bit)."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    """`module` is an nn.Linear that computes nn.Linear's forward from its own weight and bias parameters:
+    the class itself, or a subclass that changes neither the forward nor what `weight` and `bias` are
+    (torchtitan's configurable Linear); not one with a forward of its own (bitsandbytes' Linear4bit), nor
+    a parametrized one (torch.nn.utils.parametrize: `weight` a property, computed by child modules)."""
+    cls = type(module)
+    if cls is nn.Linear:
+        return True
+    if not isinstance(module, nn.Linear) or module._modules or cls.forward is not nn.Linear.forward:
+        return False
+    own = cls.__mro__[: cls.__mro__.index(nn.Linear)]
+    return not any("weight" in vars(k) or "bias" in vars(k) for k in own)
 
 
 class Pattern(NamedTuple):

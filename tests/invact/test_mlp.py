@@ -129,12 +129,22 @@ def _hook_down(m):
 
 
 def _wrap_down(m):
-    class Wrapped(nn.Linear):  # a subclass (as PEFT's and quantized layers are): not fused
-        pass
+    class Wrapped(nn.Linear):  # a subclass with a forward of its own (as quantized layers have): not fused
+        def forward(self, x):
+            return super().forward(x)
 
     wrapped = Wrapped(INTERMEDIATE, HIDDEN)
     wrapped.load_state_dict(m.down_proj.state_dict())
     m.down_proj = wrapped
+
+
+def _parametrize_down(m):
+    torch.nn.utils.parametrize.register_parametrization(m.down_proj, "weight", _Doubled())
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
 
 
 # Calls the Function does not take: (how the model is changed after patch(), how it is called)
@@ -143,6 +153,7 @@ FALLBACKS = {
     "keyword argument": (None, lambda m, x: m(x=x)),
     "hook on down": (_hook_down, lambda m, x: m(x)),
     "down wrapped": (_wrap_down, lambda m, x: m(x)),
+    "down parametrized": (_parametrize_down, lambda m, x: m(x)),
     "4-D input": (None, lambda m, x: m(x.unsqueeze(0))),
     "strided input": (None, lambda m, x: m(x.transpose(0, 1).contiguous().transpose(0, 1))),
     "no grad": (None, lambda m, x: _no_grad(m, x)),
@@ -171,6 +182,23 @@ def test_calls_it_does_not_take_run_the_modules_forward(case):
     want, got = call(unfused, x), call(fused, x)
     assert type(got.grad_fn) is not _MLP._backward_cls
     assert torch.equal(got, want)
+
+
+class _Configurable(nn.Linear):
+    """torchtitan's Linear: a subclass that keeps nn.Linear's forward, weight and bias."""
+
+
+def test_a_linear_subclass_keeping_its_forward_is_a_projection():
+    unfused, fused = _pair("gated", "silu", torch.float32)
+    for model in (unfused, fused):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            old = getattr(model, name)
+            new = _Configurable(old.in_features, old.out_features)
+            new.load_state_dict(old.state_dict())
+            setattr(model, name, new)
+    x = torch.randn(SHAPES["batch x seq"], requires_grad=True)
+    want, got = unfused(x), fused(x)
+    assert type(got.grad_fn) is _MLP._backward_cls and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
