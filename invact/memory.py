@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @dataclass
@@ -49,11 +50,20 @@ def storage_id(t: torch.Tensor) -> int:
     return storage._cdata if t.is_meta else storage.data_ptr()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this process holds: a wrapper subclass's first inner tensor (a DTensor's
+    local shard, an AsyncCollectiveTensor's result: their own storages cannot be read; tensor parallel
+    ops save both), any other tensor itself."""
+    while is_traceable_wrapper_subclass(t):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t
+
+
 def parameter_storages(model: nn.Module) -> set[int]:
     """The storage_ids of `model`'s parameters and buffers; of a DTensor's local shard where FSDP2
     (fully_shard) made them DTensors, whose own storage cannot be read."""
     tensors = (*model.parameters(), *model.buffers())
-    return {storage_id(t.to_local() if hasattr(t, "to_local") else t) for t in tensors}
+    return {storage_id(_local(t)) for t in tensors}
 
 
 def inductor_partition(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -114,8 +124,9 @@ class count_saved:  # noqa: N801 - used as a context manager, like torch.no_grad
                 and not getattr(t, EARLY_GRADIENT, False))  # fmt: skip
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if self._counts(t):
+        held = _local(t)
+        storage = held.untyped_storage()
+        if self._counts(held):
             # Keyed by the storage itself, not its address, and sized on exit: FSDP2 frees the
             # gathered weights the forward saved by resizing their storage to 0 (the address then
             # goes to later tensors), and gathers them again for backward.

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import _engine_run_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -249,8 +250,13 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(getattr(t, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH for t in types):
-            # a tensor subclass (FSDP2's DTensor parameters, gradients and optimizer state): its own
-            # dispatch runs the op on its plain local tensors, which come back here
+            if any(issubclass(t, FakeTensor) for t in types):
+                # DTensor's sharding propagation runs some ops (embedding) on fake tensors: no storage to
+                # count, and a fake tensor's dispatch does not run under another mode
+                return func(*args, **(kwargs or {}))
+            # a tensor subclass (FSDP2's and tensor parallel's DTensor parameters, gradients, optimizer
+            # state and activations): its own dispatch runs the op on its plain local tensors, which come
+            # back here
             return NotImplemented
         summed = self._summed_in_place(func, args, kwargs) if self.phase == "backward" else None
         kwargs = kwargs or {}
