@@ -50,10 +50,11 @@ class Rotary(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(batch, seq, dim) -> (batch, heads, seq, dim / heads)."""
-    b, s, d = t.shape
-    return t.view(b, s, heads, d // heads).transpose(1, 2)
+def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(batch, seq, heads x head_dim) -> (batch, heads, seq, head_dim): the heads counted from the
+    width, as torchtitan does, so that a tensor parallel projection's local heads split alike."""
+    b, s, _ = t.shape
+    return t.view(b, s, -1, head_dim).transpose(1, 2)
 
 
 def _rotate(x, cos, sin):
@@ -64,16 +65,16 @@ def _rotate(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.head_dim = dim // heads
         self.wq, self.wk = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
         self.wv, self.wo = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
 
     def forward(self, x, cos, sin):
-        b, s, d = x.shape
-        q, k, v = (_heads(w(x), self.heads) for w in (self.wq, self.wk, self.wv))
+        b, s, _ = x.shape
+        q, k, v = (_heads(w(x), self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -118,12 +119,12 @@ class NativeLlama(nn.Module):
 class GPTAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.head_dim = dim // heads
         self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
 
     def forward(self, x):
         b, s, d = x.shape
-        q, k, v = (_heads(t, self.heads) for t in self.c_attn(x).split(d, 2))
+        q, k, v = (_heads(t, self.head_dim) for t in self.c_attn(x).split(d, 2))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(out.transpose(1, 2).reshape(b, s, d))
 

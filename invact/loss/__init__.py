@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_map_only
 from invact import kinds
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
+from invact.loss import parallel
 from invact.loss.op import _as_rows, _device_type, _loss, linear_cross_entropy
 from invact.loss.source import (
     _host,
@@ -273,7 +274,12 @@ class PendingLogits:
         # under the call's autocast, not the read's: eager's head and steps ran under it (bf16 logits of
         # fp32 weights where it was on; fp32 where it was off, even when read in an autocast region)
         with _autocast_as(*self._autocast), _gathered(self.module, self.weight):
-            z = F.linear(self.hidden, self.weight, self.bias)
+            if parallel.is_dtensor(
+                self.weight
+            ):  # a tensor parallel head: its logits as its TP forward gathers them
+                z = parallel.logits(self.hidden, self.weight, self.bias)
+            else:
+                z = F.linear(self.hidden, self.weight, self.bias)
             # BART's `+ final_logits_bias` after the head's own bias, as eager adds it: folded into the
             # head's bias (the loss's way) the sums would round differently
             if self.added is not None:
@@ -662,6 +668,9 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
         return None, False, "the model has no output embeddings (get_output_embeddings)"
     if type(head) is not nn.Linear and not isinstance(head, LossHead):
         return name, False, f"its head is a {type(head).__name__}, not an nn.Linear"
+    wrapped = _wrapped(head)
+    if wrapped:
+        return name, False, wrapped
     host, inner = _host(model, name)
     if host is None:
         return name, False, "its forward takes no labels"
@@ -685,8 +694,77 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
         what = "transformers' causal-LM loss"
     else:
         what = "its cross-entropy on the head's output"
+    if _tensor_parallel_forward(head) is not None:
+        return name, True, (f"{what} is computed from the hidden state over the vocabulary's shards of its "
+                            "tensor parallel head (each rank its shard's chunks, the log-sum-exp reduced "
+                            "across ranks): no (tokens x vocab) logits formed")  # fmt: skip
     return name, True, (f"{what} is computed from the hidden state and the head's weight a chunk of rows "
                         "at a time, with its gradients: no (tokens x vocab) logits kept")  # fmt: skip
+
+
+def _tensor_parallel_forward(head: nn.Module):
+    """The forward transformers' tensor parallelism (its `tp_plan`, transformers 5) set on `head`, where it
+    gathers the logits of a head sharded over the vocabulary (the "colwise_gather_output" and
+    "colwise_rep" styles: ColwiseParallel with a replicated output) and the loss can run over the shards
+    instead (invact.loss.parallel); None for any other head. Read from the forward's closure (its style
+    object and the forward it wraps): a forward of another shape is not recognised, and left alone."""
+    forward = vars(head).get("forward")
+    if isinstance(forward, _ParallelForward):
+        return forward.__wrapped__
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    if code is None or cells is None or not getattr(forward, "__module__", "").startswith("transformers."):
+        return None
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=False))
+    style, inner = free.get("self"), free.get("original_forward")
+    weight = head._parameters.get("weight")
+    if (type(style).__name__ != "ColwiseParallel" or getattr(inner, "__func__", None) is not nn.Linear.forward
+            or not parallel.is_dtensor(weight) or weight.device_mesh.ndim != 1):  # fmt: skip
+        return None
+    output, (placement,) = getattr(style, "output_layouts", None), weight.placements
+    if not (
+        output is not None and output.is_replicate() and placement.is_shard() and placement.dim in (0, -2)
+    ):
+        return None
+    return forward
+
+
+def _wrapped(head: nn.Module) -> str:
+    """Why the loss cannot be computed from `head`'s input where something wraps the head's forward that
+    invact does not take ("" where nothing does, or transformers' tensor parallel forward, which it
+    takes: _tensor_parallel_forward)."""
+    if _tensor_parallel_forward(head) is not None:
+        return ""
+    forward = vars(head).get("forward")
+    if forward is not None:
+        what = getattr(forward, "__qualname__", forward)
+        return (f"its head's forward is replaced on the instance ({what}), "
+                "a wrapping invact does not take: its logits and loss are left as they are")  # fmt: skip
+    weight = head._parameters.get("weight")
+    # FSDP2's DTensors (1-D, the head in a unit, its hooks only where the head is a unit: `unshard`) are
+    # its shards, gathered for the forward; tensor parallel's are the forward's, on a 2-D mesh under
+    # FSDP2 x TP, sharded through hooks on the head (parallelize_module)
+    hooked = (head._forward_pre_hooks or head._forward_hooks) and not hasattr(head, "unshard")
+    if parallel.is_dtensor(weight) and (weight.device_mesh.ndim > 1 or hooked):
+        return ("its head's weight is a DTensor sharded by forward hooks (parallelize_module), whose loss "
+                "invact does not take from the model: compute it with invact.functional.linear_cross_entropy "
+                "from the hidden states and the DTensor weight (over the vocabulary's shards)")  # fmt: skip
+    return ""
+
+
+class _ParallelForward:
+    """The forward take() sets on a head that transformers made tensor parallel (_tensor_parallel_forward),
+    in place of that forward: in an armed eager training call, LossHead's forward on the head's input,
+    whole on every rank (the loss then runs over the vocabulary's shards: invact.loss.parallel); the
+    tensor parallel forward it wraps (`__wrapped__`: the logits gathered) in any other call."""
+
+    def __init__(self, head: nn.Module, forward) -> None:
+        self.head, self.__wrapped__ = head, forward
+
+    def __call__(self, input):  # noqa: A002 - nn.Linear's argument name
+        head = self.head
+        if head._invact_armed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return LossHead.forward(head, parallel._whole(input))
+        return self.__wrapped__(input)
 
 
 def take(model: nn.Module, name: str) -> None:
@@ -701,6 +779,9 @@ def take(model: nn.Module, name: str) -> None:
     if isinstance(head, LossHead) and getattr(model, "_invact_loss_hooked", False):
         return
     swap(head, LossHead)
+    forward = _tensor_parallel_forward(head)
+    if forward is not None and not isinstance(vars(head).get("forward"), _ParallelForward):
+        head.forward = _ParallelForward(head, forward)
     owner, attr = kinds.parent(model, name)
     steps = _steps(type(owner), attr) if owner is model else None
     if steps is not None and _ops(owner, steps) is not None:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from invact._meta import stands_for
 from invact.activation.ops import backend_for, direct_backward
+from invact.loss import parallel
 from invact.loss.kernel_plan import plan
 from invact.memory import EARLY_GRADIENT
 
@@ -267,7 +268,7 @@ def _nll(h, target, weight, bias, ignore_index: int, mean: bool, needs, cw=None)
 
 
 def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: float, mean: bool | None,
-             needs, cw=None, given=None):  # fmt: skip
+             needs, cw=None, given=None, shard=None):  # fmt: skip
     """(the loss, fp32 scalar; its gradients for d loss = 1 with respect to h, weight and bias, each in
     its tensor's dtype, None where `needs` does not ask for it), a chunk of rows at a time: per chunk
     its logits over the whole vocabulary (one matmul), its rows' losses and, where a gradient is
@@ -277,14 +278,19 @@ def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: 
 
     `mean`: True for reduction "mean", False for "sum", None for "none" (the loss is then each row's,
     fp32 (rows,), 0 where ignored; no gradient). `cw`: class weights (vocab,) or None. `given`: each
-    row's gradient factor (rows,) in place of the reduction's (the backward of reduction "none")."""
-    n, vocab = h.shape[0], weight.shape[0]
+    row's gradient factor (rows,) in place of the reduction's (the backward of reduction "none").
+    `shard`: an invact.loss.parallel.VocabShard where weight and bias are this rank's shard of a
+    vocabulary-parallel head (its rows' losses reduced across ranks, d h all-reduced; invact.loss.parallel),
+    None for a whole head."""
+    n = h.shape[0]
+    vocab = weight.shape[0] if shard is None else shard.widest  # alike on every rank: the same chunks
     kind = _device_type(h)
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     grad = need_h or need_w or need_b
     dtype = _compute_dtype(h, weight, kind)
-    step = chunk_rows(n, vocab, dtype.itemsize, kind, 4 * weight.numel(), need_w)
-    if (step >= n and dtype == torch.float32 and not ops and not smoothing and not _kernels(h, ops)
+    step = chunk_rows(n, vocab, dtype.itemsize, kind, 4 * vocab * weight.shape[1], need_w)
+    if (shard is None and step >= n and dtype == torch.float32 and not ops and not smoothing
+            and not _kernels(h, ops)
             and mean is not None and given is None):  # fmt: skip
         return _nll(h, target, weight, bias, ignore_index, mean, (need_h, need_w, need_b),
                     None if cw is None else cw.float())  # fmt: skip
@@ -311,7 +317,11 @@ def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: 
             stop = min(start + step, n)
             hb = hc[start:stop]
             z = F.linear(hb, w, b)
-            losses[start:stop] = _rows(z, t[start:stop], scale[start:stop], ops, smoothing, grad, cwf)
+            if shard is None:
+                losses[start:stop] = _rows(z, t[start:stop], scale[start:stop], ops, smoothing, grad, cwf)
+            else:
+                losses[start:stop] = parallel.rows(z, t[start:stop], scale[start:stop], ops, smoothing, grad,
+                                                   cwf, shard)  # fmt: skip
             if need_h:
                 torch.mm(z, w, out=dh[start:stop])
             if need_w:
@@ -332,6 +342,8 @@ def _forward(h, weight, bias, target, ops: tuple, ignore_index: int, smoothing: 
         del acc
     elif dw is not None and dw.dtype is not weight.dtype:
         dw = dw.to(weight.dtype)
+    if dh is not None and shard is not None:
+        parallel.reduce_hidden_gradient(dh, shard)
     if dh is not None and dh.dtype is not h.dtype:
         dh = dh.to(h.dtype)
     if db is not None:
@@ -360,9 +372,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     invact::linear_cross_entropy (below), which runs the same _forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean, cw=None):
+    def forward(ctx, hidden, weight, bias, target, ops, ignore_index, smoothing, mean, cw=None, shard=None):
         loss, dh, dw, db = _forward(hidden, weight, bias, target, ops, ignore_index, smoothing, mean,
-                                    ctx.needs_input_grad[:3], cw)  # fmt: skip
+                                    ctx.needs_input_grad[:3], cw, shard=shard)  # fmt: skip
         for g in (dw, db):  # the parameters' gradients: no activation memory (invact.memory.count_saved)
             if g is not None:
                 setattr(g, EARLY_GRADIENT, True)
@@ -372,7 +384,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dh, dw, db = _scaled(ctx.saved_tensors, grad)
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None
 
 
 # torch.compile records the loss as one custom op: it returns the loss and its gradients (empty where
@@ -437,20 +449,20 @@ class _PerRow(torch.autograd.Function):
     the references to hidden, weight, bias, target and class weights it is given, no logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, cw, ops, ignore_index, smoothing):
+    def forward(ctx, hidden, weight, bias, target, cw, ops, ignore_index, smoothing, shard=None):
         losses = _forward(hidden, weight, bias, target, ops, ignore_index, smoothing, None,
-                          (False, False, False), cw)[0]  # fmt: skip
+                          (False, False, False), cw, shard=shard)[0]  # fmt: skip
         ctx.save_for_backward(hidden, weight, bias, target, cw)
-        ctx.args = ops, ignore_index, smoothing
+        ctx.args = ops, ignore_index, smoothing, shard
         return losses
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, target, cw = ctx.saved_tensors
-        ops, ignore_index, smoothing = ctx.args
+        ops, ignore_index, smoothing, shard = ctx.args
         _, dh, dw, db = _forward(hidden, weight, bias, target, ops, ignore_index, smoothing, False,
-                                 ctx.needs_input_grad[:3], cw, given=grad)  # fmt: skip
-        return dh, dw, db, None, None, None, None, None
+                                 ctx.needs_input_grad[:3], cw, given=grad, shard=shard)  # fmt: skip
+        return dh, dw, db, None, None, None, None, None, None
 
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -481,8 +493,12 @@ def linear_cross_entropy(
     float) and ("tanh",) applied in order (Gemma 2's soft-cap: div, tanh, mul).
 
     Returns fp32 (torch's rounds the loss to input's dtype); gradients reach input, linear_weight and
-    linear_bias. Class probabilities as target run torch's own ops (logits materialized). Under
-    torch.compile, "mean" and "sum" without class weights are the custom op invact::linear_cross_entropy
+    linear_bias. Tensor parallel: linear_weight (and linear_bias) a DTensor sharded over the vocabulary
+    (Shard(0), a 1-D mesh: a ColwiseParallel head) computes over the shards, the log-sum-exp reduced
+    across the ranks, no rank forming the gathered logits (invact.loss.parallel); a replicated one runs
+    on its local copy; input, target and weight may be DTensors (gathered whole). Class probabilities as
+    target run torch's own ops (logits materialized). Under torch.compile, "mean" and "sum" without
+    class weights are the custom op invact::linear_cross_entropy
     (the same chunks and kernels); class weights and "none" run torch's ops for inductor to compile."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
@@ -491,6 +507,9 @@ def linear_cross_entropy(
     ignore_index = -100 if ignore_index is None else ignore_index
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (in_features)")
+    if parallel.is_dtensor(linear_weight):
+        return _sharded(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                        float(label_smoothing), tuple(ops))  # fmt: skip
     if target.is_floating_point() or (reduction == "none" or weight is not None) and _compiling():
         return _reference(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                           label_smoothing, ops)  # fmt: skip
@@ -504,6 +523,25 @@ def linear_cross_entropy(
 
 
 _compiling = torch.compiler.is_compiling
+
+
+@torch.compiler.disable  # collectives in the forward: run eagerly (a graph break under torch.compile)
+def _sharded(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, smoothing, ops):
+    """linear_cross_entropy with a DTensor head weight (tensor parallel): over the vocabulary's shards
+    (invact.loss.parallel), or on the local copy of a replicated one."""
+    if target.is_floating_point():
+        raise ValueError("invact: class probabilities as target take a whole head, not a DTensor one")
+    hidden, w, b, target, cw, shard = parallel.local(input, linear_weight, linear_bias, target, weight)
+    shape = target.shape
+    hidden, target = _as_rows(hidden, target)
+    if reduction == "none":
+        return _PerRow.apply(hidden, w, b, target, cw, ops, ignore_index, smoothing, shard).reshape(shape)
+    mean = reduction == "mean"
+    if not torch.is_grad_enabled():
+        return _forward(
+            hidden, w, b, target, ops, ignore_index, smoothing, mean, (False,) * 3, cw, shard=shard
+        )[0]
+    return _LinearCrossEntropy.apply(hidden, w, b, target, ops, ignore_index, smoothing, mean, cw, shard)
 
 
 def _reference(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, smoothing, ops):
@@ -534,6 +572,10 @@ def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smo
     """linear_cross_entropy on arguments it has checked: hidden (rows, in), target (rows,), reduction
     "mean" where `mean`, else "sum"; `compiling`: torch.compiler.is_compiling() (then `cw`, the class
     weights, is None)."""
+    if parallel.is_dtensor(weight):  # a tensor parallel head (its loss from a patched model's head)
+        reduction = "mean" if mean else "sum"
+        return _sharded(hidden, weight, target, bias, cw, reduction, ignore_index, label_smoothing,
+                        ops)  # fmt: skip
     grad = torch.is_grad_enabled()
     if not grad and not compiling:  # the loss alone (one matmul), on no autograd graph
         return _forward(hidden, weight, bias, target, ops, ignore_index, label_smoothing, mean,
