@@ -37,12 +37,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 import warnings
 from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import _engine_run_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -72,6 +72,15 @@ _ADD = torch.ops.aten.add.Tensor
 # What a tensor type without a dispatch of its own has (torch.Tensor, nn.Parameter and their plain
 # subclasses); DTensor and other wrapper subclasses define their own __torch_dispatch__
 _NO_DISPATCH = torch._C._disabled_torch_dispatch_impl
+
+
+def _fake(types) -> bool:
+    """Whether a FakeTensor is among `types` (read from its module where something loaded it: importing
+    it loads sympy, which `import invact` does not)."""
+    module = sys.modules.get("torch._subclasses.fake_tensor")
+    return module is not None and any(issubclass(t, module.FakeTensor) for t in types)
+
+
 _expired = torch.UntypedStorage._expired
 _free = torch.UntypedStorage._free_weak_ref
 
@@ -250,7 +259,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(getattr(t, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH for t in types):
-            if any(issubclass(t, FakeTensor) for t in types):
+            if _fake(types):
                 # DTensor's sharding propagation runs some ops (embedding) on fake tensors: no storage to
                 # count, and a fake tensor's dispatch does not run under another mode
                 return func(*args, **(kwargs or {}))

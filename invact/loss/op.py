@@ -43,6 +43,7 @@ from invact._meta import stands_for
 from invact.activation.ops import backend_for, direct_backward
 from invact.loss import parallel
 from invact.loss.kernel_plan import plan
+from invact.loss.transform import transformed as _transformed
 from invact.memory import EARLY_GRADIENT
 
 log = logging.getLogger("invact")
@@ -108,26 +109,6 @@ def _compute_dtype(h: torch.Tensor, w: torch.Tensor, kind: str) -> torch.dtype:
     except RuntimeError:  # a device type autocast does not know (meta, outside invact._autocast)
         pass
     return h.dtype if h.dtype is w.dtype else torch.result_type(h, w)
-
-
-def _transformed(pre: torch.Tensor, ops: tuple, keep: bool):
-    """z = ops applied to pre, in fp32 (pre itself where it is fp32: a chunk's fresh logits, which the
-    callers change in place), and the derivative's factors: the product of the scalars and, when
-    keep, each tanh's output (each contributes 1 - t^2)."""
-    z = pre.float() if pre.dtype != torch.float32 else pre
-    scale, tanhs = 1.0, []
-    for op in ops:
-        if op[0] == "mul":
-            z.mul_(op[1])
-            scale *= op[1]
-        elif op[0] == "div":  # divided, not multiplied by the reciprocal: the model's own rounding
-            z.div_(op[1])
-            scale /= op[1]
-        else:  # "tanh"
-            z.tanh_()
-            if keep:
-                tanhs.append(z.clone())
-    return z, scale, tanhs
 
 
 def _kernels(t: torch.Tensor, ops: tuple) -> bool:
@@ -525,7 +506,9 @@ def linear_cross_entropy(
 _compiling = torch.compiler.is_compiling
 
 
-@torch.compiler.disable  # collectives in the forward: run eagerly (a graph break under torch.compile)
+# collectives in the forward: run eagerly (a graph break under torch.compile). torch._disable_dynamo imports
+# Dynamo (and sympy) at the first call, not at `import invact` as torch.compiler.disable would.
+@torch._disable_dynamo
 def _sharded(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, smoothing, ops):
     """linear_cross_entropy with a DTensor head weight (tensor parallel): over the vocabulary's shards
     (invact.loss.parallel), or on the local copy of a replicated one."""

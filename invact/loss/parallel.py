@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from invact.loss import op
+from invact.loss.transform import transformed
 
 
 class VocabShard(NamedTuple):
@@ -89,11 +89,11 @@ def local(hidden, weight, bias, target, cw):
 
 
 def rows(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw, shard: VocabShard) -> torch.Tensor:
-    """invact.loss.op._rows_pass for a shard of the vocabulary: z (rows, shard) the chunk's logits over
+    """invact.loss.op's _rows_pass for a shard of the vocabulary: z (rows, shard) the chunk's logits over
     this rank's shard, t the targets in the whole vocabulary, cw the whole vocabulary's class weights
     (fp32) or None. Each row's loss, fp32 (rows,), the same on every rank (one all-gather); with `grad`
     the shard's columns of each row's gradient times `scale`, written over z in its dtype."""
-    zt, factor, tanhs = op._transformed(z, ops, keep=grad)
+    zt, factor, tanhs = transformed(z, ops, keep=grad)
     stop = shard.start + z.shape[1]
     mine = (t >= shard.start) & (t < stop)
     at = torch.where(mine, t - shard.start, 0).unsqueeze(1)
