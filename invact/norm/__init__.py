@@ -19,6 +19,7 @@ from invact.callers import inplace_use
 from invact.identity import swap
 from invact.kinds import Decision, Found, Kind, Options
 from invact.memory import parameter_storages
+from invact.norm import functional
 from invact.norm.op import (
     _MODULES,
     CLASSES,
@@ -349,17 +350,60 @@ def decide(model: nn.Module, options: Options, plan: list[Decision]) -> Found:
     names = [d.name for d in found]
     if options.example_inputs is not None:
         found = _measured(model, found, options.example_inputs)
-    return Found(plan + found, names)
+    calls = _functional(model, options, {d.name for d in plan + found})
+    return Found(plan + found + calls, names + [d.name for d in calls])
+
+
+_CALLS = ".forward:"  # a forward's norm calls: "<module>.forward:rms_norm", as invact.mlp names its MLPs'
+
+
+def _functional(model: nn.Module, options: Options, decided: set[str]) -> list[Decision]:
+    """One Decision (kind "norm") per module whose forward calls torch's rms_norm or layer_norm as a function
+    (invact.norm.functional.calls): its forward rewritten to call invact's (each call saving its output and
+    rstd), or left alone with the reason. The output of such a call is what the next op (a projection, the
+    attention) saves anyway; where nothing does, it is as large as the input the call no longer saves."""
+    decisions = []
+    for name, module in model.named_modules():
+        if is_candidate(module) or isinstance(module, InvNorm):  # a norm module: inverted as a module
+            continue
+        taken = module.__dict__.get("_invact_norm_calls")
+        found, why = (list(taken), "") if taken else functional.calls(module)
+        if not found and not why:
+            continue
+        function = found[0] if found and len(set(found)) == 1 else "norms"
+        full = f"{name}{_CALLS}{function}" if name else _CALLS[1:] + function
+        if full in decided:
+            continue
+        cls = kinds.qualname(module)
+        if not found:
+            decisions.append(Decision(full, cls, False, why, kind=KIND.name))
+        elif not kinds.selected(full, options.include, options.exclude):
+            decisions.append(Decision(full, cls, False, "excluded by include/exclude", kind=KIND.name))
+        elif taken:
+            continue  # rewritten by an earlier patch(): nothing to do
+        else:
+            counts = ", ".join(f"{found.count(f)} x {f}" for f in sorted(set(found)))
+            why = f"its forward calls {counts} as functions: rewritten to invact's (saving output and rstd)"
+            decisions.append(Decision(full, cls, True, why, kind=KIND.name))
+    return decisions
 
 
 def apply(model: nn.Module, plan: list[Decision], options: Options) -> list[str]:
     """Make each norm the plan replaces an InvNorm in place (a module shared by several parents once);
     their names."""
     mine = [d for d in plan if d.kind == KIND.name and d.replace]
+    taken = []
     for d in mine:
+        if _CALLS in d.name or d.name.startswith(_CALLS[1:]):  # a forward calling norms (_functional)
+            if functional.rewrite(
+                model.get_submodule(d.name.partition(_CALLS)[0] if _CALLS in d.name else "")
+            ):
+                taken.append(d.name)
+            continue
         module = model.get_submodule(d.name)
         invert(module, match(module)[0])
-    return [d.name for d in mine]
+        taken.append(d.name)
+    return taken
 
 
 def _found(model: nn.Module, include, exclude, static: bool) -> list[Decision]:
