@@ -59,6 +59,7 @@ def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def _rotate(x, cos, sin):
     a, b = x[..., ::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 tables: the model's dtype, as torchtitan casts them
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
 
 

@@ -5,7 +5,8 @@ Runs tests/invact/_tp_workers.py (one process a rank, one thread each; tests.glo
 and tabulates its training cases: "hf" (transformers' tp_plan="auto" on a tiny Llama, labels in the
 forward), "native" (the native Llama of benchmarks/native_models.py under torchtitan's parallelize_module
 plan without sequence parallel, the loop's loss: eager F.cross_entropy on the gathered logits, patched the
-one-line change to invact.functional.linear_cross_entropy with the head's DTensor weight) and, on 4 ranks,
+one-line change to invact.functional.linear_cross_entropy with the head's DTensor weight), "native_sp" (the
+same plan with its SequenceParallel norms) and, on 4 ranks,
 "fsdp_tp" (the same on a 2 x 2 mesh, FSDP2 across, TP within). Sizes: _tp_workers' (vocabulary 1002,
 hidden 64, 2 layers, batch 2 x 128 tokens a rank), fp32. Per rank the largest figure of the ranks is shown
 (they differ by a few KiB: the uneven vocabulary shards). Writes
@@ -34,6 +35,7 @@ from timing import device_name, write_result  # noqa: E402
 CASES = {
     "hf": "transformers tp_plan",
     "native": "native Llama, parallelize_module",
+    "native_sp": "native Llama, parallelize_module + SequenceParallel",
     "fsdp_tp": "native, FSDP2 x TP",
 }
 TIMEOUT_S = 600

@@ -72,6 +72,7 @@ def _inverts(input, normalized_shape, params) -> bool:
         and torch.is_grad_enabled()
         and (input.requires_grad or any(p is not None and p.requires_grad for p in params))
         and input.dtype != torch.float64
+        and not hasattr(input, "_local_tensor")  # a DTensor (tensor parallel): torch's DTensor ops
         and not torch.compiler.is_compiling()
         and not _transforms_active()
     )

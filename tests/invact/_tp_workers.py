@@ -16,6 +16,9 @@ each result in OUT_DIR/<case>_rank<r>.pt):
   head, RowwiseParallel wo, w2 and the embeddings), eager with the loop's F.cross_entropy on the gathered
   logits, and patch() (called before parallelizing, torchtitan's order) with the loop's one-line change,
   linear_cross_entropy on the hidden states and the head's DTensor weight;
+- "native_sp": the same with torchtitan's sequence parallel norms (SequenceParallel on each block's norms and
+  the final norm, PrepareModuleInput before the attention and the MLP, RowwiseParallel reducing-scattering
+  over the sequence): the inverted norms run on each rank's rows, the loss gathers the final norm's output;
 - "fsdp_tp" (4 ranks): the same native Llama on a 2 x 2 mesh, TP within ("tp") and FSDP2 (fully_shard on
   each block and the root) across ("dp"), each dp group its own half of the batch.
 
@@ -43,7 +46,7 @@ LR = 1e-3
 # A vocabulary that 2 and 4 ranks shard unevenly (501 | 251, 251, 250, 250 rows), wider than any other
 # dimension: a saved tensor whose last dimension is a shard's or the whole vocabulary's is the logits'.
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, SEQ, BATCH = 1002, 64, 128, 2, 4, 128, 2
-CASES = ("functional", "hf", "native", "fsdp_tp")
+CASES = ("functional", "hf", "native", "native_sp", "fsdp_tp")
 # "functional"'s sizes and cases: test_linear_cross_entropy's (40 rows of 16, a vocabulary of 601, which 2
 # and 4 ranks shard unevenly too)
 ROWS, FN_HIDDEN, FN_VOCAB = 40, 16, 601
@@ -260,18 +263,36 @@ def _native_model():
     return model.train()
 
 
-def _tp_plan(model, gathered: bool = True) -> dict:
-    """torchtitan's tensor parallel plan for its Llama without sequence parallel."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def _tp_plan(model, sequence_parallel: bool) -> dict:
+    """torchtitan's tensor parallel plan for its Llama (apply_tp), with its sequence parallel norms (the
+    residual stream sharded over the sequence between the blocks' TP regions) or without."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate())}  # fmt: skip
+    rows = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=rows),
+            "output": ColwiseParallel(input_layouts=rows, output_layouts=Replicate())}  # fmt: skip
     for i in range(len(model.layers)):
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("attention.wo", "feed_forward.w2"):
-            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=rows)
+        if sequence_parallel:
+            for name in ("attention_norm", "ffn_norm"):
+                plan[f"layers.{i}.{name}"] = SequenceParallel()
+            whole = PrepareModuleInput(
+                input_layouts=(rows, None, None), desired_input_layouts=(Replicate(), None, None)
+            )
+            plan[f"layers.{i}.attention"] = whole
+            whole = PrepareModuleInput(input_layouts=(rows,), desired_input_layouts=(Replicate(),))
+            plan[f"layers.{i}.feed_forward"] = whole
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
     return plan
 
 
@@ -291,7 +312,7 @@ def _native_loss(patched: bool, ids: torch.Tensor):
     return loss_of
 
 
-def _native(rank: int, mesh=None, dp=None) -> dict:
+def _native(rank: int, mesh=None, dp=None, sequence_parallel: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -303,7 +324,7 @@ def _native(rank: int, mesh=None, dp=None) -> dict:
     for variant in ("eager", "patched"):
         model = _native_model()
         run = {"taken": invact.patch(model) if variant == "patched" else []}
-        parallelize_module(model, tp, _tp_plan(model))
+        parallelize_module(model, tp, _tp_plan(model, sequence_parallel))
         if dp is not None:
             from torch.distributed.fsdp import fully_shard
 
@@ -336,6 +357,8 @@ def run_case(case: str, rank: int, out_dir: Path) -> dict:
         return _hf(rank, out_dir)
     if case == "native":
         return _native(rank)
+    if case == "native_sp":
+        return _native(rank, sequence_parallel=True)
     return _fsdp_tp(rank)
 
 

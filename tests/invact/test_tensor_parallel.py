@@ -32,7 +32,7 @@ from tests.invact.test_loss import _fp32_bound
 
 WORLDS = (2, 4)
 _WORKER_TIMEOUT_S = 300  # 4 ranks ran all cases in 18 s on 2 cores (AMD EPYC); the collectives' own is 60 s
-TRAINING = ("hf", "native", "fsdp_tp")
+TRAINING = ("hf", "native", "native_sp", "fsdp_tp")
 
 
 def _functional_bound(world: int) -> float:
