@@ -344,6 +344,11 @@ class Forward:
             out = self._fused(args[0])
             if out is not None:
                 return out
+            if self.pattern.function is not None and self.pattern.gate is not None and self._wrapped():
+                # projections a wrapper runs (tensor parallel's DTensor modules, through their hooks): each
+                # called as it is, the activation and product on their outputs (the rank's shards), as
+                # under torch.compile: the activation saves its output (and bits) in place of its input
+                return self._traced(args, kwargs, wrapped=True)
         hooks = self.hooks
         if hooks is None:
             return type(module).forward(module, *args, **kwargs)
@@ -355,11 +360,24 @@ class Forward:
             hooks.post(module, args, kwargs, output)
         return output
 
-    def _traced(self, args: tuple, kwargs: dict):
+    def _wrapped(self) -> bool:
+        """Whether a projection of the module runs more than nn.Linear's forward on plain parameters:
+        hooks, a forward of its own, or tensor-subclass parameters (tensor parallel's DTensor modules)."""
+        children, (up, gate, _, down, *_) = self.module._modules, self.pattern
+        for name in (up, gate, down):
+            child = children[name]
+            if not _bare(child) or any(type(p) not in _LEAF_PARAMETER for p in child._parameters.values()
+                                       if p is not None):  # fmt: skip
+                return True
+        return False
+
+    def _traced(self, args: tuple, kwargs: dict, wrapped: bool = False):
         """A call under torch.compile: the gated form's projections and activation as its modules run
         them (hooks, a PEFT-wrapped gate or up included), then down(y * u) as invact::gated_linear;
         the module's own forward where down is no longer a plain nn.Linear, for the plain form (the
-        activation's op saves y, which down keeps too) and for any other call."""
+        activation's op saves y, which down keeps too) and for any other call. `wrapped` (eager, a
+        functional MLP whose projections a wrapper runs: Forward._wrapped): down(y * u) by its module
+        whatever down is."""
         module = self.module
         children, (up, gate, act, down, up_first, chunked, function) = module._modules, self.pattern
         down = children[down]
@@ -370,8 +388,7 @@ class Forward:
             or not isinstance(args[0], torch.Tensor)
             or not torch.is_grad_enabled()
             or (function is None and not isinstance(children[act], InvAct))
-            or not _linear(down)
-            or not _bare(down)
+            or not (wrapped or (_linear(down) and _bare(down)))
         ):
             return type(module).forward(module, *args, **kwargs)
         x = args[0]
@@ -388,6 +405,8 @@ class Forward:
             g = children[gate](x)
             u = children[up](x)
         y = children[act](g) if function is None else invact(g, function, self.mode)
+        if wrapped:
+            return down(y * u)
         weight, bias = _cast_for(down, y)
         if y.dtype is not u.dtype or y.dtype is not weight.dtype:
             return down(y * u)
