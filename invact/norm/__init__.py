@@ -187,9 +187,9 @@ class InvNorm(nn.Module):
         (replicated) with their gradients left partial sums (Partial), as eager's DTensor ops leave them;
         y a DTensor placed as x. The next projection saves the all-gathered copy of y, not these rows, so the
         call saves y's rows beside it, in place of x's; eager's DTensor rms_norm keeps more than x's rows
-        (the native Llama of tests/invact/_tp_workers.py with SequenceParallel norms, 2 ranks, its MLPs running
-        their own forward: 1.45 MiB a rank saved with the norms' own forward, 1.30 inverted in fp32; 0.90 and
-        0.68 in bf16). The module's own
+        (the native Llama of tests/invact/_tp_workers.py with SequenceParallel norms, 2 ranks, its MLPs
+        running their own forward: 1.45 MiB a rank saved with the norms' own forward, 1.30 inverted in fp32;
+        0.90 and 0.68 in bf16). The module's own
         forward where the last dimension is sharded, x is a partial sum, a parameter is not replicated, or no
         gradient is recorded."""
         from torch.distributed.tensor import DTensor, Partial
