@@ -697,7 +697,8 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
     if _tensor_parallel_forward(head) is not None:
         return name, True, (f"{what} is computed from the hidden state over the vocabulary's shards of its "
                             "tensor parallel head (each rank its shard's chunks, the log-sum-exp reduced "
-                            "across ranks): no (tokens x vocab) logits formed")  # fmt: skip
+                            "across ranks): no (tokens x vocab) logits formed; eager only (under "
+                            "torch.compile the head gathers its logits as unpatched)")  # fmt: skip
     return name, True, (f"{what} is computed from the hidden state and the head's weight a chunk of rows "
                         "at a time, with its gradients: no (tokens x vocab) logits kept")  # fmt: skip
 
