@@ -274,9 +274,7 @@ class PendingLogits:
         # under the call's autocast, not the read's: eager's head and steps ran under it (bf16 logits of
         # fp32 weights where it was on; fp32 where it was off, even when read in an autocast region)
         with _autocast_as(*self._autocast), _gathered(self.module, self.weight):
-            if parallel.is_dtensor(
-                self.weight
-            ):  # a tensor parallel head: its logits as its TP forward gathers them
+            if parallel.is_dtensor(self.weight):  # tensor parallel: the logits as its TP forward gathers them
                 z = parallel.logits(self.hidden, self.weight, self.bias)
             else:
                 z = F.linear(self.hidden, self.weight, self.bias)
