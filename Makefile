@@ -7,7 +7,7 @@ TORCH ?= $(shell grep '^torch==' $(PINS))
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: fit test lint clean gpu gpu-quick compat pins
+.PHONY: fit test test-full lint clean gpu gpu-quick compat pins
 
 # The venv's constraints: the pins, with TORCH's line for torch's (the same line unless TORCH is given).
 $(BIN)/.installed: pyproject.toml $(PINS)
@@ -31,10 +31,13 @@ fit: $(BIN)/.installed  ## refit gelu, silu (paper, floor) and softplus (exact) 
 	$(BIN)/invact-fit silu --family floor --out build/fit/silu/floor.json
 	$(BIN)/invact-fit softplus --family exact --out build/fit/softplus/exact.json
 
-test: $(BIN)/.installed  ## lint, then the whole test suite (everything that runs without a GPU)
+test: $(BIN)/.installed  ## lint, then the test suite CI runs (everything that runs without a GPU)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
+
+test-full: $(BIN)/.installed  ## the test suite with every row of its matrices (the "full" marker: CI checks a covering set)
+	$(BIN)/python -m pytest -q -m "full or not full"
 
 # The core tests (patch, plan, loss, norm, MLP, compile, CLI) at the ends of the supported torch and
 # transformers range (invact/_versions.py), each in a venv of its own under .compat/ (kept: installing
