@@ -43,6 +43,7 @@ from invact._meta import stands_for
 from invact.activation.ops import backend_for, direct_backward
 from invact.loss import parallel
 from invact.loss.kernel_plan import plan
+from invact.loss.transform import gradient_into, row_losses
 from invact.loss.transform import transformed as _transformed
 from invact.memory import EARLY_GRADIENT
 
@@ -145,32 +146,12 @@ def _rows_pass(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw=None) -
     # exp(z - max) in place: its row sums give the log-sum-exp, and divided by them, the softmax
     sums = zt.sub_(top).exp_().sum(dim=1, keepdim=True)
     lse = (top + sums.log()).squeeze(1)
-    losses = lse - picked
     classes = z.shape[1]
-    if cw is not None:
-        picked_w, whole = cw[t], cw.sum()
-        losses = losses * picked_w
-    if smoothing:  # F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p (weighted)
-        smooth = lse - total.div(classes) if cw is None else (whole * lse - total).div(classes)
-        losses = (1 - smoothing) * losses + smoothing * smooth
-    if not grad:
-        return losses
-    p = zt.div_(sums)
-    if cw is None:
-        p.scatter_add_(1, at, p.new_full(at.shape, -(1 - smoothing)))
-        if smoothing:
-            p.sub_(smoothing / classes)
-    else:
-        p.mul_(((1 - smoothing) * picked_w + smoothing / classes * whole).unsqueeze(1))
-        p.scatter_add_(1, at, (-(1 - smoothing) * picked_w).unsqueeze(1))
-        if smoothing:
-            p.sub_(cw * (smoothing / classes))
-    for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
-        p.mul_(th.square_().neg_().add_(1))
-    del tanhs
-    p.mul_((scale * factor if factor != 1.0 else scale).unsqueeze(1))
-    if p is not z:
-        z.copy_(p)
+    losses, picked_w, whole = row_losses(lse, picked, total, t, cw, smoothing, classes)
+    if grad:
+        gradient_into(
+            z, zt.div_(sums), at, None, cw, picked_w, whole, smoothing, classes, tanhs, factor, scale
+        )
     return losses
 
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from invact.loss.transform import transformed
+from invact.loss.transform import gradient_into, row_losses, transformed
 
 
 class VocabShard(NamedTuple):
@@ -110,32 +110,10 @@ def rows(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw, shard: Vocab
     every = torch.stack(every)
     lse = torch.logsumexp(every[:, 0], dim=0)
     picked, total = every[:, 1].sum(0), every[:, 2].sum(0)
-    losses = lse - picked
-    classes = shard.vocab
-    if cw is not None:
-        picked_w, whole = cw[t], cw.sum()
-        losses = losses * picked_w
-    if smoothing:  # F.cross_entropy's (1 - eps) nll + eps * mean over classes of -log p (weighted)
-        smooth = lse - total.div(classes) if cw is None else (whole * lse - total).div(classes)
-        losses = (1 - smoothing) * losses + smoothing * smooth
-    if not grad:
-        return losses
-    p = zt.mul_((top.squeeze(1) - lse).exp_().unsqueeze(1))  # exp(z - max) exp(max - L): the softmax
-    if cw is None:
-        p.scatter_add_(1, at, torch.where(mine, -(1 - smoothing), 0.0).unsqueeze(1))
-        if smoothing:
-            p.sub_(smoothing / classes)
-    else:
-        p.mul_(((1 - smoothing) * picked_w + smoothing / classes * whole).unsqueeze(1))
-        p.scatter_add_(1, at, torch.where(mine, -(1 - smoothing) * picked_w, 0.0).unsqueeze(1))
-        if smoothing:
-            p.sub_(cws * (smoothing / classes))
-    for th in tanhs:  # d tanh(u) / du = 1 - tanh(u)^2
-        p.mul_(th.square_().neg_().add_(1))
-    del tanhs
-    p.mul_((scale * factor if factor != 1.0 else scale).unsqueeze(1))
-    if p is not z:
-        z.copy_(p)
+    losses, picked_w, whole = row_losses(lse, picked, total, t, cw, smoothing, shard.vocab)
+    if grad:  # the softmax: exp(z - max) exp(max - L)
+        p = zt.mul_((top.squeeze(1) - lse).exp_().unsqueeze(1))
+        gradient_into(z, p, at, mine, cws, picked_w, whole, smoothing, shard.vocab, tanhs, factor, scale)
     return losses
 
 
