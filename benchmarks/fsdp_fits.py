@@ -23,10 +23,10 @@ MEMORY = ("24GiB", "80GiB")
 
 
 def plan(gpus: int, memory: str) -> dict:
-    from invact.step_peak import plan_step
+    from invact.planner.step import step_peaks
 
     start = time.perf_counter()
-    result = plan_step(HERE.parent / CONFIG, 1, None, recipes=("bf16",), fits=memory, ranks=gpus)
+    result = step_peaks(HERE.parent / CONFIG, 1, None, recipes=("bf16",), fits=memory, ranks=gpus)
     rows = [
         {k: r[k] for k in ("patched", "checkpointing", "seq", "peak_bytes", "phase")} for r in result["rows"]
     ]

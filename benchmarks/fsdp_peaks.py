@@ -1,12 +1,12 @@
 """The real per-rank peak live bytes of one full training step under FSDP2 (torch's `fully_shard`) over
-gloo on the CPU, for checking the planner's per-rank prediction (invact.step_peak) against.
+gloo on the CPU, for checking the planner's per-rank prediction (invact.planner.step) against.
 
 One measurement: `python benchmarks/fsdp_peaks.py --config CFG.json --ranks N --batch B --seq S
 [--patched] [--out results.json]` starts N processes (gloo on 127.0.0.1 at a free port, loopback
 device, one thread each; every collective bounded by the process group's 60 s timeout, the launcher's
 wait by --timeout). CFG is a config JSON (or folder with config.json) or one of ARCHITECTURES' names.
 Each rank:
-1. builds the model of the config as invact.planner.build_model chooses it (its class and attention
+1. builds the model of the config as invact.planner.config.build_model chooses it (its class and attention
    implementation), but on the CPU with random weights (torch.manual_seed(0): the same on every rank),
    in bf16 (the "bf16" recipe: model, gradients and AdamW's state in bf16), in training mode;
 2. with --patched, invact.patch(model) (the names it returns must be non-empty);
@@ -18,7 +18,7 @@ Each rank:
    backward, step, zero_grad(set_to_none=True)), so that AdamW's state exists;
 5. measures three more steps, each the same (forward, loss.backward(), optimizer.step(),
    zero_grad(set_to_none=True)), each under one instrument:
-   - "livebytes": invact.step_peak.LiveBytes exactly as the planner uses it, constructed with the
+   - "livebytes": invact.planner.live_bytes.LiveBytes exactly as the planner uses it, constructed with the
      tensors alive before the step (weights: the parameters' local shards, p._local_tensor of each
      DTensor, and the buffers; optimizer: AdamW's state, DTensors' local tensors; inputs: input_ids =
      labels), its phase set to "forward", "backward" and "step" (the step and zero_grad). `checks`:
@@ -123,7 +123,7 @@ def build(config, patched: bool):
     import transformers
 
     import invact
-    from invact.planner import build_model, load_config
+    from invact.planner.config import build_model, load_config
 
     transformers.utils.logging.set_verbosity_error()
     config = load_config(config)[0]
@@ -193,7 +193,7 @@ def _hook_fsdp_resizes() -> None:
 
 
 def _live_class():
-    from invact.step_peak import LiveBytes
+    from invact.planner.live_bytes import LiveBytes
 
     class FSDPLiveBytes(LiveBytes):
         """LiveBytes that also follows storages resized in place (FSDP2's unsharded parameters):
@@ -219,10 +219,10 @@ def measure(spec: dict, rank: int) -> dict:
     import torch
 
     model, cls, attention, names = build(spec["config"], spec["patched"])
-    if spec.get("checkpointing"):  # Hugging Face's, as the planner's checkpointing rows (invact.step_peak)
-        from invact.step_peak import _enable_checkpointing
+    if spec.get("checkpointing"):  # Hugging Face's, as the planner's checkpointing rows (invact.planner.step)
+        from invact.planner.recipes import enable_checkpointing
 
-        _enable_checkpointing(model)
+        enable_checkpointing(model)
     units = shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     vocab = model.config.get_text_config().vocab_size
@@ -279,7 +279,7 @@ def measure(spec: dict, rank: int) -> dict:
     out["unsharded_param_bytes"] = sum(t.numel() * t.element_size() for p in fsdp_params
                                        for t in p.all_gather_outputs)  # fmt: skip
 
-    from invact.step_peak import LiveBytes
+    from invact.planner.live_bytes import LiveBytes
 
     def result(live) -> dict:
         return {"peak_bytes": live.peak, "at_peak": dict(live.at_peak), "phase": live.peak_phase,

@@ -1,6 +1,6 @@
-"""The per-GPU planner (invact.step_peak with `ranks`, invact.sharding) against real FSDP2 steps: for
-every run in results/fsdp_peaks_cpu.json (benchmarks/fsdp_peaks.py: fully_shard on each decoder layer
-and the root, gloo on the CPU, the bf16 recipe, 2 and 4 ranks, eager and patch()), the peak
+"""The per-GPU planner (invact.planner.step with `ranks`, invact.planner.sharding) against real FSDP2
+steps: for every run in results/fsdp_peaks_cpu.json (benchmarks/fsdp_peaks.py: fully_shard on each
+decoder layer and the root, gloo on the CPU, the bf16 recipe, 2 and 4 ranks, eager and patch()), the peak
 `invact plan --gpus N --fsdp --device cpu` predicts for one rank, beside the largest rank's measured
 peak. Writes results/fsdp_plan_cpu.json and .md (the table docs/patching.md shows).
 
@@ -26,8 +26,8 @@ def predict(run: dict) -> dict:
     batch and seq per rank, eager or patch(), planned for a CPU (the measured steps' device)."""
     import torch
 
-    from invact.planner import build_model, load_config
-    from invact.step_peak import Step
+    from invact.planner.config import build_model, load_config
+    from invact.planner.step import Step
 
     config = load_config({k: v for k, v in run["config"].items() if k != "name"})[0]
     model, _ = build_model(config, torch.bfloat16)

@@ -246,7 +246,7 @@ STEP_VARIANTS = ("eager", "patch", "compile", "compile+patch")
 def _step_model(name: str, small: bool, device: str, dtype, layers: int | None = None):
     import transformers
 
-    from invact.planner import load_config
+    from invact.planner.config import load_config
 
     file, default = STEP_MODELS[name]
     config, _ = load_config(str(Path(__file__).parent / "configs" / file))

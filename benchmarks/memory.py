@@ -385,7 +385,7 @@ def _lm(label: str, small: bool) -> tuple[nn.Module, dict]:
 def _by_kind(model: nn.Module, inputs: dict) -> tuple[int, dict[str, int]]:
     """(bytes saved, bytes per kind) of one training forward, attributed as invact plan attributes them
     (invact.planner: the head and the loss are their own kind)."""
-    from invact.planner import _Attributed
+    from invact.planner.forward import _Attributed
 
     counter = _Attributed(model)
     try:

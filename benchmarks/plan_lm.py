@@ -1,4 +1,5 @@
-"""What a causal LM's training step saves for backward, by `invact plan` (invact.planner.plan_memory,
+"""What a causal LM's training step saves for backward, by `invact plan`
+(invact.planner.forward.forward_saved,
 meta device), for the committed configs shaped as public models: eager, after patch() and after
 patch(loss=False), with labels (the loss computed), and what the head and loss hold. Writes
 benchmarks/results/plan_lm.json and its markdown table to plan_lm.md beside it.
@@ -28,11 +29,11 @@ def _head_loss(plan: dict) -> tuple[int, int]:
 
 
 def measure(name: str, batch: int, seq: int, dtype: str) -> dict:
-    from invact.planner import plan_memory
+    from invact.planner.forward import forward_saved
 
     path = CONFIGS / MODELS[name]
-    plan = plan_memory(path, batch, seq, dtype)
-    no_loss = plan_memory(path, batch, seq, dtype, loss=False)
+    plan = forward_saved(path, batch, seq, dtype)
+    no_loss = forward_saved(path, batch, seq, dtype, loss=False)
     eager_head, patched_head = _head_loss(plan)
     return {
         "model": name,

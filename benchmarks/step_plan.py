@@ -1,4 +1,4 @@
-"""The whole training step's peak that invact.step_peak predicts on the meta device, against a real CPU
+"""The whole training step's peak that invact.planner.step predicts on the meta device, against a real CPU
 step's: does `Step(config, recipe, device="cpu").peak(batch, seq)` give the live bytes a real step
 reaches, for architectures other than the Llama it was built on?
 
@@ -13,13 +13,13 @@ its width: the head is most of the model, and its weight gradient meets the embe
 qkv and gate_up projections), OLMo 2 (norms after attention and the MLP, RMSNorm on queries and keys)
 and Granite (muP multipliers: the logits divided by logits_scaling, the loss's transform), the last
 three at the five's sizes. Each at batch 2 and seq 128, 256 and 512, for every recipe
-(invact.step_peak.RECIPES: bf16, mixed, lora), without and with Hugging Face's gradient checkpointing,
+(invact.planner.recipes.RECIPES: bf16, mixed, lora), without and with Hugging Face's gradient checkpointing,
 eager and then after invact.patch() (applied to the same two Steps after the eager rows, as
-invact.step_peak.plan_step does).
+invact.planner.step.step_peaks does).
 
 Predicted: `Step(config, recipe, device="cpu")` on the meta device, its `peak()`. Measured: a real model
 built from the same config in the recipe's dtype (bf16; fp32 for "mixed"), seeded, with the attention
-implementation the meta Step chose (invact.planner.build_model: SDPA, else eager), wrapped in
+implementation the meta Step chose (invact.planner.config.build_model: SDPA, else eager), wrapped in
 `Step(None, recipe, model=..., device="cpu")` so that LoRA, AdamW (foreach) and its state are set up as
 the prediction's; input_ids = labels, random tokens of a seeded generator. One warm-up step, then
 gc.collect() (no garbage of an earlier row is freed inside the measured step), then one step under
@@ -28,9 +28,10 @@ allocator, with its bytes, whatever the allocator then does with the memory) in 
 largest running sum, plus the bytes alive before the step (parameters, buffers, AdamW's state, the
 inputs). `end_bytes`, the running sum after the step, is 0 where the step leaves nothing behind.
 
-Two more columns for diagnosis: `dispatch_bytes`, the peak invact.step_peak.LiveBytes (the predictor's
-own counting, a dispatch mode) follows on a third, real step, without the kernel workspaces a plan for a
-CPU adds (invact.step_peak.cpu_matmul_workspace): where it equals predicted_bytes and measured_bytes is
+Two more columns for diagnosis: `dispatch_bytes`, the peak invact.planner.live_bytes.LiveBytes (the
+predictor's own counting, a dispatch mode) follows on a third, real step, without the kernel workspaces a
+plan for a CPU adds (invact.planner.live_bytes.cpu_matmul_workspace): where it equals predicted_bytes and
+measured_bytes is
 higher, the difference is allocated inside a kernel without an op (a workspace, which a dispatch mode
 cannot see), not a fault of the meta emulation; where predicted_bytes is above it, the plan counted
 such a workspace at its peak; `measured_at`, the op stack around the measured peak (outermost first).
@@ -119,12 +120,13 @@ ABOVE, BELOW = 1.05, 0.98
 
 def steps(config: dict, recipe: str, device: str = "cpu"):
     """(the meta Step of `config` for `recipe`, planned as on `device`; the real one: the causal LM of
-    the same config (the class the meta Step built, invact.planner.build_model's choice) on `device`
+    the same config (the class the meta Step built, invact.planner.config.build_model's choice) on `device`
     in the recipe's dtype, seeded, with the attention implementation the meta Step chose)."""
     import transformers
 
-    from invact.planner import build_config
-    from invact.step_peak import RECIPES, Step
+    from invact.planner.config import build_config
+    from invact.planner.recipes import RECIPES
+    from invact.planner.step import Step
 
     transformers.utils.logging.set_verbosity_error()
     meta = Step(dict(config), recipe, device=device)
@@ -150,8 +152,16 @@ def inputs(step, batch: int, seq: int) -> dict:
 
 
 def _alive(step, given: dict) -> int:
-    """Bytes of the distinct storages alive before a step: parameters, buffers, AdamW's state, inputs."""
-    tensors = [*step.model.parameters(), *step.model.buffers(), *step._state()]
+    """Bytes of the distinct storages alive before a step: parameters, buffers (and a 4-bit base's
+    constants), AdamW's state, inputs."""
+    from invact.planner.quantized import quant_state_tensors
+
+    tensors = [
+        *step.model.parameters(),
+        *step.model.buffers(),
+        *step._state(),
+        *quant_state_tensors(step.model),
+    ]
     tensors += [t for t in given.values() if isinstance(t, torch.Tensor)]
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
@@ -201,7 +211,7 @@ def profiled_peak(fn, ranges: str | None = None) -> dict:
 
 
 def _dispatch_peak(step, given: dict) -> int:
-    """The peak invact.step_peak.LiveBytes follows on one real step of `step` (the predictor's own
+    """The peak invact.planner.live_bytes.LiveBytes follows on one real step of `step` (the predictor's own
     counting on real tensors: Step.follow)."""
     gc.collect()
     return step.follow(given).peak
@@ -211,9 +221,9 @@ def measure(step, batch: int, seq: int, checkpointing: bool, dispatch: bool = Tr
     """The real `step`'s peak live bytes in one training step at (batch, seq), after a warm-up step:
     {measured_bytes, end_bytes, measured_at (the ops at the peak), dispatch_bytes (LiveBytes' peak of
     another step; None without `dispatch`)}."""
-    from invact.step_peak import _disable_checkpointing, _enable_checkpointing
+    from invact.planner.recipes import disable_checkpointing, enable_checkpointing
 
-    (_enable_checkpointing if checkpointing else _disable_checkpointing)(step.base)
+    (enable_checkpointing if checkpointing else disable_checkpointing)(step.base)
     given = inputs(step, batch, seq)
     step.run(given)  # the warm-up
     alive = _alive(step, given)
@@ -323,7 +333,7 @@ def header(result: dict) -> str:
     s = result["summary"]
     failed = sorted({f"{r['architecture']} {r['recipe']}" for r in s["failed"]})
     return "\n".join([
-        f"Predicted (invact.step_peak, meta device) against measured (torch profiler) peak of one training "
+        f"Predicted (invact.planner, meta device) against measured (torch profiler) peak of one training "
         f"step, MiB; batch {result['batch']}; {result['device']}, torch {result['torch']}, transformers "
         f"{result['transformers']}",
         "",
@@ -340,7 +350,8 @@ def table(result: dict) -> str:
         "Ratio: predicted / measured. Phase: where the predicted peak is. LiveBytes on the real step: the "
         "predictor's own counting (a dispatch mode) on a real step: equal to predicted where the meta step "
         "allocates as the real one, less the kernel workspace the plan counts at its peak (a bf16 mm's copy "
-        "of a B at most 32 columns wide: invact.step_peak.cpu_matmul_workspace); below measured by what "
+        "of a B at most 32 columns wide: invact.planner.live_bytes.cpu_matmul_workspace); below measured by "
+        "what "
         "kernels allocate inside themselves (a bf16 mm's oneDNN buffers), above it where autograd sums two "
         "gradients of one tensor (in place in a plain step, out of place under a dispatch mode and on "
         "meta).",
@@ -360,22 +371,26 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from invact.step_peak import RECIPES
+    from invact.planner.recipes import RECIPES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(ARCHITECTURES), metavar="NAME",
                         help=f"only these ({', '.join(ARCHITECTURES)}; default all)")  # fmt: skip
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), metavar="RECIPE",
+                        help=f"only these recipes ({', '.join(RECIPES)}; default all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None,
                         help="the JSON file (default results/step_plan_cpu.json; .md beside it)")  # fmt: skip
     args = parser.parse_args(argv)
     names = args.only or list(ARCHITECTURES)
+    recipes = args.recipes or list(RECIPES)
     start = time.perf_counter()
-    rows = [row for name in names for recipe in RECIPES for row in compare(name, recipe, report=progress)]
+    rows = [row for name in names for recipe in recipes for row in compare(name, recipe, report=progress)]
     result = {
         "device": device_name("cpu"),
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "peft": version("peft"),
+        "bitsandbytes": version("bitsandbytes"),
         "batch": BATCH,
         "seqs": list(SEQS),
         "architectures": {name: ARCHITECTURES[name] for name in names},
@@ -387,6 +402,7 @@ def main(argv=None) -> int:
     print()
     print(header(result))
     suffix = "" if args.only is None else "_" + "-".join(names)
+    suffix += "" if args.recipes is None else "_" + "-".join(recipes)
     path = write_result(result, "step_plan", "cpu", out=args.out or RESULTS / f"step_plan_cpu{suffix}.json")
     path.with_suffix(".md").write_text(table(result) + "\n")
     return 0

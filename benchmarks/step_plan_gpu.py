@@ -1,5 +1,5 @@
 """The planner's whole-step peak and its longest sequence, against a real GPU: does
-`invact plan CONFIG --fits SIZE` (invact.step_peak, meta device, planned as on CUDA) give what a real
+`invact plan CONFIG --fits SIZE` (invact.planner.step, meta device, planned as on CUDA) give what a real
 training step on the GPU allocates, and the longest sequence that really fits?
 
 For a committed config (default the Llama-3.2-1B shape, random weights, nothing downloaded), each recipe
@@ -8,7 +8,7 @@ For a committed config (default the Llama-3.2-1B shape, random weights, nothing 
 - at each of --seqs: predicted `Step(config, recipe, device="cuda").peak(1, seq)` against
   `torch.cuda.max_memory_allocated()` of one real step (after a warm-up step, the peak statistics
   reset; the step's inputs, weights, gradients and AdamW's state all on the GPU);
-- the longest sequence that fits --budget: the planner's (invact.step_peak.largest, as `--fits`
+- the longest sequence that fits --budget: the planner's (invact.planner.fits.largest, as `--fits`
   searches) against the real boundary, found by bisection in multiples of SEQ_MULTIPLE with the
   caching allocator held to the budget (torch.cuda.set_per_process_memory_fraction): a step that
   raises torch.cuda.OutOfMemoryError does not fit. The bisection starts from the planner's answer
@@ -139,7 +139,8 @@ def boundary(fits, guess: int, multiple: int, cap: int) -> tuple[int, int]:
 
 
 def compare(config: dict, recipe: str, seqs, budget: int, report=print):
-    from invact.step_peak import SEQ_MULTIPLE, largest
+    from invact.planner.fits import largest
+    from invact.planner.options import SEQ_MULTIPLE
 
     meta, real = steps(config, recipe, device="cuda")
     cap = getattr(meta.base.config.get_text_config(), "max_position_embeddings", None) or 2**17
@@ -207,7 +208,7 @@ def table(result: dict) -> str:
     ]  # fmt: skip
     return "\n".join(
         [
-            f"Predicted (invact.step_peak, meta device, as on CUDA) against a real step on "
+            f"Predicted (invact.planner.step, meta device, as on CUDA) against a real step on "
             f"{result['device']}, {result['config']}, batch 1.",
             "",
             *_markdown(
@@ -224,7 +225,8 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     import json
 
-    from invact.step_peak import RECIPES, parse_size
+    from invact.planner.options import parse_size
+    from invact.planner.recipes import RECIPES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(

@@ -1,5 +1,5 @@
 """The device a meta tensor stands for. invact's planner runs a model's training step on the meta
-device (shapes, no values: invact.planner, invact.step_peak); where invact's ops choose by device type
+device (shapes, no values: invact.planner); where invact's ops choose by device type
 what they allocate (the loss's chunk of rows, invact.loss.op.BLOCK_BYTES; the CPU activation
 backward's fp32 blocks, invact.activation._numba.fp32_blocks), an op on meta tensors chooses as on the
 device type the plan is for: "cuda", unless a plan for another holds `standing_for` around its step."""

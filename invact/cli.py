@@ -1,7 +1,9 @@
 """The `invact` command (also `python -m invact`). `invact plan CONFIG.json --batch B --seq S`: what one
 training forward of a Hugging Face model saves for backward, eager and after invact.patch(), from its
-config alone, on the meta device (invact.planner); with --fits SIZE, --step or --explain the peak of a
-whole training step and the longest sequence (or largest batch) that fits (invact.step_peak). Bad input
+config alone, on the meta device (invact.planner.forward); with --fits SIZE, --step or --explain the
+peak of a whole training step and the longest sequence (or largest batch) that fits
+(invact.planner.step). This module parses the arguments, checks them and prints
+(invact.planner.report's tables). Bad input
 is one line on stderr, exit status 2.
 
 The command parses its arguments and checks its config file (it exists, reads as a JSON object, names a
@@ -15,11 +17,10 @@ import argparse
 import json
 import re
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 
-from invact.plan_options import (
+from invact.planner.options import (
     DEFAULT_IMAGE_SIDE,
     DEFAULT_RANK,
     DEFAULT_RECIPES,
@@ -27,8 +28,10 @@ from invact.plan_options import (
     DTYPE_NAMES,
     RECIPE_LABELS,
     SEQ_MULTIPLE,
+    PlanError,
     read_size,
 )
+from invact.planner.report import format_forward, format_step
 
 ERROR_STATUS = 2  # bad input, as argparse's own usage errors
 PROG = "invact plan"
@@ -111,11 +114,15 @@ input_ids.
 The whole training step (--step, --explain, --fits): one step (forward with labels, the loss,
 backward, AdamW's foreach step, the gradients set to None) after the first, so AdamW's state exists,
 run on the meta device while every storage it allocates is followed to its release
-(invact.step_peak): its peak of live bytes holds the weights, the gradients, the optimizer state,
+(invact.planner.step): its peak of live bytes holds the weights, the gradients, the optimizer state,
 the inputs, what the forward saves, the eager loss's logits and their fp32 copies, a layer's
 backward buffers and AdamW's temporaries, each where the step holds them. Recipes: "bf16", the model
 and AdamW's state in bf16; "lora", a frozen bf16 base with PEFT's LoRA adapters (bf16, --rank,
-alpha 2 x rank, dropout 0) on every Linear but the head, AdamW on the adapters (needs peft).
+alpha 2 x rank, dropout 0) on every Linear but the head, AdamW on the adapters (needs peft);
+"qlora", that base in bitsandbytes' 4-bit NormalFloat with double quantization (its packed weights
+and constants as bitsandbytes stores them, each weight dequantized to bf16 while its matmul runs),
+the rest in fp32 as PEFT's prepare_model_for_kbit_training leaves it, fp32 adapters, the forward
+under autocast to bf16 (needs bitsandbytes and peft; one GPU: not with --gpus).
 Checkpointing: Hugging Face's (activation_checkpointing_enable, torch's non-reentrant checkpoint
 around each decoder layer). --fits searches the longest sequence in multiples of {SEQ_MULTIPLE} tokens
 up to the config's max_position_embeddings (">=" where that fits) at --batch (default 1), or with
@@ -177,7 +184,7 @@ def _non_negative(text: str) -> int:
 
 def _size(text: str) -> int:
     """--fits: the bytes of a size such as 24GiB, 80GB, 24G (binary) or 25769803776
-    (invact.plan_options.read_size, as the planner reads it)."""
+    (invact.planner.options.read_size, as the planner reads it)."""
     try:
         return read_size(text)
     except ValueError as e:
@@ -226,6 +233,17 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _forward_arguments(plan)
+    _step_arguments(plan)
+    plan.add_argument("--json", action="store_true",
+                      help="print one JSON object (eager_saved_bytes, patched_saved_bytes, kinds, "
+                           "decisions, config, batch, seq, dtype, images, image_inputs, vision_eager_bytes, "
+                           "vision_patched_bytes, encoder_decoder, ...) instead of the table")  # fmt: skip
+    return parser
+
+
+def _forward_arguments(plan: argparse.ArgumentParser) -> None:
+    """`invact plan`'s config and what one forward is planned at (its shapes, dtype, patch()'s options)."""
     plan.add_argument("config", metavar="CONFIG.json",
                       help="a Hugging Face config JSON file (or a folder holding config.json); read "
                            "locally, nothing downloads")  # fmt: skip
@@ -267,6 +285,10 @@ def _parser() -> argparse.ArgumentParser:
                            f"(Qwen2-VL, Qwen2.5-VL: a multiple of 28; default {_SIDE}, a 1 x 32 x 32 grid "
                            "of 14-pixel patches, 256 tokens); other towers take their config's "
                            "image_size")  # fmt: skip
+
+
+def _step_arguments(plan: argparse.ArgumentParser) -> None:
+    """`invact plan`'s options of the whole training step (--fits, --step, --explain, recipes, GPUs)."""
     step = plan.add_argument_group(
         "the whole training step (forward, loss, backward, AdamW), its peak of live bytes",
         "--step, --explain or --fits plan the step's peak instead of the saved bytes; see below.",
@@ -330,131 +352,11 @@ def _parser() -> argparse.ArgumentParser:
         default="cuda",
         help="the device the step is planned for: invact's loss computes blocks of its size (default cuda)",
     )
-    plan.add_argument("--json", action="store_true",
-                      help="print one JSON object (eager_saved_bytes, patched_saved_bytes, kinds, "
-                           "decisions, config, batch, seq, dtype, images, image_inputs, vision_eager_bytes, "
-                           "vision_patched_bytes, encoder_decoder, ...) instead of the table")  # fmt: skip
-    return parser
-
-
-def _bytes(n: int) -> str:
-    """n bytes in GiB, MiB or KiB (binary units), as a person reads them."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def _change(eager: int, patched: int) -> str:
-    if patched == eager:
-        return "="
-    if not eager:
-        return "new"
-    return f"{patched / eager - 1:+.1%}"
-
-
-def _pattern(name: str) -> str:
-    """A module name with its layer indices as *: one line for every layer's copy."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
-
-
-def _decision_lines(decisions: list[dict]) -> list[str]:
-    groups: dict[tuple, int] = {}
-    for d in decisions:
-        gated = _pattern(d["gated"]) if d["gated"] else None
-        key = (d["replace"], _pattern(d["name"]) or "(the model)", d["class"], d["reason"], gated)
-        groups[key] = groups.get(key, 0) + 1
-    replaced = sum(1 for d in decisions if d["replace"])
-    norms = sum(1 for d in decisions if d.get("kind") == "norm" and d["replace"])
-    losses = sum(1 for d in decisions if d.get("kind") == "loss" and d["replace"])
-    replaced -= norms + losses
-    left = sum(1 for d in decisions if not d["replace"])
-    loss = ", the loss from hidden states" if losses else ""
-    lines = [f"patch(): {replaced} activation(s) and {norms} norm(s) replaced{loss}, {left} left alone"]
-    for (replace, name, cls, reason, gated), count in groups.items():
-        times = f" (x{count})" if count > 1 else ""
-        verb = "replaced" if replace else "left alone"
-        hooked = f"; gated-product hook on {gated or '(the model)'}" if gated is not None else ""
-        text = f"{verb}: {name}{times}, {cls}: {reason}{hooked}"
-        lines += textwrap.wrap(text, width=100, initial_indent="  ", subsequent_indent="      ")
-    if not decisions:
-        lines.append("  (no activation or norm module found)")
-    return lines
-
-
-def _input_lines(result: dict) -> list[str]:
-    """What the forward's inputs hold besides input_ids (batch, seq): the images, the decoder's tokens."""
-    lines = []
-    images = result.get("image_inputs")
-    if images and images["per_sample"]:
-        side, each = images["side"], images["tokens_per_image"]
-        lines.append(
-            f"images: {images['per_sample']} per sample, {side} x {side} pixels, {each} tokens each: "
-            f"{images['image_tokens']} image + {images['text_tokens']} text tokens per sample"
-        )
-    elif images:
-        lines += textwrap.wrap(f"images: none ({images['note'] or '--images 0: text only'})", width=100,
-                               subsequent_indent="  ")  # fmt: skip
-    if result.get("encoder_decoder"):
-        lines.append(f"encoder-decoder: the encoder and the decoder each run seq {result['seq']} tokens")
-    return lines
-
-
-def format_plan(result: dict) -> str:
-    """The planner's result as a compact table for a person: totals and the relative change on top."""
-    eager, patched = result["eager_saved_bytes"], result["patched_saved_bytes"]
-    source = result["config"] or "a config"
-    attention = result["attention"]
-    kernels = ", ".join(attention["kernels"])
-    used = attention["implementation"] + (f" ({kernels} kernel)" if kernels else "")
-    lines = [
-        f"invact plan: {result['model_class']} from {source}",
-        f"batch {result['batch']} x seq {result['seq']}, {result['dtype']}, one training forward"
-        f"{' with labels (the loss)' if result['labels'] else ', no labels'}; "
-        f"attention: {used}",
-        *_input_lines(result),
-        "",
-        f"saved for backward: eager {_bytes(eager)} -> patch() {_bytes(patched)}: "
-        f"{_change(eager, patched)} ({_bytes(patched - eager)})",
-        "",
-    ]
-    rows = [(k["label"], k["eager_bytes"], k["patched_bytes"]) for k in result["kinds"]]
-    rows = [r for r in rows if r[1] or r[2]]
-    header = ("", "eager", "patch()", "change")
-    table = [header] + [(label, _bytes(e), _bytes(p), _change(e, p)) for label, e, p in rows]
-    table.append(("total", _bytes(eager), _bytes(patched), _change(eager, patched)))
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
-    for i, (label, *figures) in enumerate(table):
-        if i == len(table) - 1:
-            lines.append("-" * (sum(widths) + 2 * 3))
-        cells = [f"{label:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(figures, widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-    vision = result.get("vision_eager_bytes", 0), result.get("vision_patched_bytes", 0)
-    if any(vision):
-        lines += ["", f"of which the vision tower and projector: eager {_bytes(vision[0])} -> patch() "
-                      f"{_bytes(vision[1])}: {_change(*vision)}"]  # fmt: skip
-    returned = ", image features" if result.get("images") else ""
-    lines += [
-        "",
-        f"not counted: the output (eager's logits{', loss' if result['labels'] else ''}{returned}) "
-        f"{_bytes(result['output_bytes'])}, after patch() {_bytes(result['patched_output_bytes'])}; "
-        f"parameters and buffers {_bytes(result['parameter_bytes'])}",
-        "",
-        *_decision_lines(result["decisions"]),
-        "",
-        *textwrap.wrap(
-            "Bytes autograd saves for backward in one training forward of input_ids (batch, seq), each "
-            "storage once, parameters and buffers excluded; measured on the meta device (shapes only). "
-            "invact plan --help explains the kinds.",
-            width=100,
-        ),
-    ]
-    return "\n".join(lines)
 
 
 def _check_config(path: str) -> None:
     """The config file, checked before anything loads: it exists (in a folder: its config.json), reads as
-    a JSON object and names a model_type; each failure one line, in invact.planner's words
+    a JSON object and names a model_type; each failure one line, in invact.planner.config's words
     (read_config, build_config), which check the same again when the run reads it."""
     file = Path(path)
     if file.is_dir():
@@ -484,6 +386,8 @@ def _check_arguments(args) -> None:
     if args.gpus is not None and not args.fsdp:
         _fail(PROG, "--gpus N plans FSDP2's sharding: add --fsdp (other engines, DDP and DeepSpeed, are not "
                     "planned per GPU)")  # fmt: skip
+    if args.gpus is not None and "qlora" in args.recipe:
+        _fail(PROG, "--recipe qlora plans one GPU: FSDP2 over a 4-bit base (FSDP-QLoRA) is not planned")
     if not (args.fits is not None or args.step or args.explain or args.gpus):
         for name in ("batch", "seq"):
             if getattr(args, name) is None:
@@ -529,33 +433,29 @@ def _load_runtime() -> None:
 def _warn_past_positions(path: str, seq: int | None) -> None:
     """One line on stderr where seq is past the positions the config's model has (its text model's
     max_position_embeddings or n_positions, as --fits' search stops there): planned as given."""
-    from invact.planner import PlanError, load_config
+    from invact.planner.config import load_config, positions
 
     try:
-        config = load_config(path)[0]
+        known = positions(load_config(path)[0])
     except PlanError as e:
         _fail(PROG, str(e))
-    for source in (getattr(config, "text_config", None), config):
-        for name in ("max_position_embeddings", "n_positions"):
-            value = getattr(source, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                if seq is not None and seq > value:
-                    print(f"{PROG}: warning: --seq {seq} is past the config's {name} ({value}): the model "
-                          "has no positions beyond it; planned as given", file=sys.stderr)  # fmt: skip
-                return
+    if known is not None and seq is not None and seq > known[1]:
+        name, value = known
+        print(f"{PROG}: warning: --seq {seq} is past the config's {name} ({value}): the model has no "
+              "positions beyond it; planned as given", file=sys.stderr)  # fmt: skip
 
 
 def _plan(args) -> int:
     _check_config(args.config)
     _check_arguments(args)
     _load_runtime()
-    from invact.planner import PlanError, plan_memory
+    from invact.planner.forward import forward_saved
 
     _warn_past_positions(args.config, args.seq)
     if args.fits is not None or args.step or args.explain or args.gpus:
         return _plan_step(args)
     try:
-        result = plan_memory(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
+        result = forward_saved(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
                              norms=args.norms, loss=args.loss, labels=args.labels, images=args.images,
                              image_size=args.image_size)  # fmt: skip
     except PlanError as e:
@@ -563,137 +463,23 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(format_plan(result))
+        print(format_forward(result))
     return 0
 
 
 def _plan_step(args) -> int:
-    from invact.planner import PlanError
-    from invact.step_peak import RECIPES, plan_step
+    from invact.planner.recipes import RECIPES
+    from invact.planner.step import step_peaks
 
     recipes = tuple(RECIPES) if "all" in args.recipe else tuple(dict.fromkeys(args.recipe))
     try:
-        result = plan_step(args.config, args.batch, args.seq, recipes=recipes,
+        result = step_peaks(args.config, args.batch, args.seq, recipes=recipes,
                            rank=args.rank, fits=args.fits, device=args.device, images=args.images,
                            image_size=args.image_size, ranks=args.gpus)  # fmt: skip
     except PlanError as e:
         _fail(PROG, str(e))
     print(json.dumps(result, indent=2) if args.json else format_step(result, explain=args.explain))
     return 0
-
-
-_CHECKPOINTING = {False: "off", True: "on"}
-
-
-def _recipe_label(result: dict, name: str) -> str:
-    return {"lora": f"LoRA r{result['rank']} (bf16)", "mixed": "full (mixed: fp32 + bf16 autocast)"}.get(
-        name, "full (bf16)"
-    )
-
-
-def format_step(result: dict, explain: bool = False) -> str:
-    """plan_step's result as a table: per recipe and checkpointing, eager's and patch()'s answer (with
-    --fits: the longest sequence or the largest batch that fits; else the peak), and the ratio."""
-    searched = result["searched"]
-    source = result["config"] or "a config"
-    lines = [f"invact plan: {result['model_class']} from {source}"]
-    ranks = result.get("ranks")
-    if ranks:
-        lines += textwrap.wrap(
-            f"per GPU of {ranks} training with FSDP2 (fully_shard on each decoder layer, then the root), "
-            "each with the batch and sequence below",
-            width=100,
-        )
-    if searched == "seq":
-        lines.append(
-            f"the longest sequence (a multiple of {SEQ_MULTIPLE}, at most {result['cap']}) at batch "
-            f"{result['batch']} whose training step fits in {_bytes(result['fits_bytes'])}"
-        )
-    elif searched == "batch":
-        lines.append(
-            f"the largest batch (at most {result['cap']}) at seq {result['seq']} whose training step "
-            f"fits in {_bytes(result['fits_bytes'])}"
-        )
-    else:
-        lines.append(f"the peak of one training step at batch {result['batch']} x seq {result['seq']}")
-    lines += [
-        f"(forward with labels, loss, backward, AdamW, as on {result['device']}; predicted on the meta "
-        "device: peak of live bytes)",
-        "",
-    ]
-    rows = {(r["recipe"], r["patched"], r["checkpointing"]): r for r in result["rows"]}
-
-    def answer(row: dict) -> str:
-        if not searched:
-            return _bytes(row["peak_bytes"])
-        value = row[searched]
-        if not value:
-            return "none"
-        return f">={value}" if value >= result["cap"] else str(value)
-
-    def ratio(eager: dict, patched: dict) -> str:
-        if not searched:
-            return _change(eager["peak_bytes"], patched["peak_bytes"])
-        if not eager[searched]:
-            return "-" if not patched[searched] else "new"
-        capped = ">=" if patched[searched] >= result["cap"] else ""
-        return f"{capped}{patched[searched] / eager[searched]:.2f}x"
-
-    what = {"seq": "seq", "batch": "batch", None: "peak"}[searched]
-    table = [
-        (
-            "recipe",
-            "checkpointing",
-            f"eager {what}",
-            f"patch() {what}",
-            "patch()/eager" if searched else "change",
-        )
-    ]
-    names = list(dict.fromkeys(r["recipe"] for r in result["rows"]))
-    for name in names:
-        for checkpointing in (False, True):
-            eager, patched = rows[name, False, checkpointing], rows[name, True, checkpointing]
-            table.append(
-                (
-                    _recipe_label(result, name),
-                    _CHECKPOINTING[checkpointing],
-                    answer(eager),
-                    answer(patched),
-                    ratio(eager, patched),
-                )
-            )
-    widths = [max(len(row[i]) for row in table) for i in range(5)]
-    for row in table:
-        lines.append(
-            "  ".join(
-                [
-                    f"{row[0]:<{widths[0]}}",
-                    f"{row[1]:<{widths[1]}}",
-                    *(f"{c:>{w}}" for c, w in zip(row[2:], widths[2:], strict=True)),
-                ]
-            )
-        )
-    if explain:
-        from invact.step_peak import TERMS
-
-        lines += ["", "where each peak's bytes are (live at the peak):"]
-        for r in result["rows"]:
-            head = (
-                f"{_recipe_label(result, r['recipe'])}, checkpointing {_CHECKPOINTING[r['checkpointing']]}, "
-                f"{'patch()' if r['patched'] else 'eager'}: batch {r['batch']} x seq {r['seq']}, peak "
-                f"{_bytes(r['peak_bytes'])} in the {r['phase']} (last op {r['op']})"
-            )
-            lines += textwrap.wrap(head, width=100, subsequent_indent="    ")
-            for key, label in TERMS.items():
-                if r["terms"][key]:
-                    lines.append(f"    {_bytes(r['terms'][key]):>11}  {label}")
-    lines += [""] + textwrap.wrap(
-        "Peak of live bytes: what torch's allocator is asked for at the step's busiest moment (CUDA's "
-        "max_memory_allocated, less its rounding to 512-byte blocks and kernels' workspaces); a GPU also "
-        "holds the CUDA context and the allocator's cache. invact plan --help says what each recipe is.",
-        width=100,
-    )
-    return "\n".join(lines)
 
 
 def _negative_values_joined(argv: list[str]) -> list[str]:
@@ -724,21 +510,4 @@ def main(argv: list[str] | None = None) -> int:
     return ERROR_STATUS  # pragma: no cover - argparse requires a known command
 
 
-# The names this module took from invact.planner and invact.step_peak before the command deferred their
-# import (torch): each imports its module when asked for.
-_PLANNER_NAMES = ("KINDS", "DTYPES", "PlanError")
-_STEP_NAMES = ("RECIPES", "TERMS")
-
-
-def __getattr__(name: str):
-    if name in _PLANNER_NAMES or name in _STEP_NAMES:
-        import invact
-
-        invact._load()
-        from invact import planner, step_peak
-
-        return getattr(planner if name in _PLANNER_NAMES else step_peak, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["KINDS", "format_plan", "main"]  # noqa: F822 - KINDS: __getattr__
+__all__ = ["main"]

@@ -24,21 +24,22 @@ from torch import nn
 @dataclass(frozen=True)
 class Decision:
     """One module (an activation, a norm, a causal LM's head: `kind`, the name of the Kind that decided)
-    and what patch() does with it. `saved_bytes` is measured when plan()/patch() get example inputs: how
+    and what patch() does with it. `spared_bytes` is measured when plan()/patch() get example inputs: how
     many fewer bytes one training forward saves for backward with it replaced (negative: more), None
-    without example inputs."""
+    without example inputs. ("Saved" bytes, as in invact.memory's reports, are the bytes kept for
+    backward; "spared" bytes are the fewer of them a replacement keeps.)"""
 
     name: str  # qualified module name in the model (a function attribute: "<module>.<attribute>")
     cls: str  # qualified class name (a function attribute: the function's)
     replace: bool
     reason: str
-    saved_bytes: int | None = None  # the activation's own saving: gated products are in gated_bytes
+    spared_bytes: int | None = None  # the activation's own: the gated products' are in gated_bytes
     # The module patch() hooks so that nothing it runs saves a copy of a gated product act(g) * u
     # (invact.mlp.gated): the activation's parent, "" for the model itself; None where nothing is hooked
     # (gated=False, not replaced, or measured to hold no such product).
     gated: str | None = None
-    # Measured with example inputs (else None): the bytes the hook saves beyond the activation's own
-    # saving: the gated products act(g) * u (this activation's output a factor) that ops inside that
+    # Measured with example inputs (else None): the bytes the hook spares beyond the activation's own
+    # spared_bytes: the gated products act(g) * u (this activation's output a factor) that ops inside that
     # module save, and where g is half of a fused gate_up output, the half that copying u out frees.
     gated_bytes: int | None = None
     # "activation", or "norm": a normalization layer inverted by invact.norm (saves its output and rstd

@@ -68,7 +68,7 @@ def plan(
     `example_inputs` each norm is measured instead: replaced only where the bytes saved inside it
     (eager: x, its statistics, Hugging Face's fp32 copies) exceed what the inverted norm keeps (rstd,
     the 4-bit residuals of the variants that have them, and y itself where no later op saves it), and
-    nothing modifies its output in place; `saved_bytes` gives the difference.
+    nothing modifies its output in place; `spared_bytes` gives the difference.
 
     `loss`: also one Decision (kind "loss") for a causal LM's head (invact.loss.head_of: a Hugging Face
     model whose loss is transformers' causal-LM loss and whose output embeddings are an nn.Linear),

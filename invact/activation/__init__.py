@@ -416,7 +416,7 @@ def _measured(
                 d, replace=False, reason="not called by the example forward: nothing measured"
             )
         elif key in modified:
-            d = dataclasses.replace(d, replace=False, saved_bytes=saved,
+            d = dataclasses.replace(d, replace=False, spared_bytes=saved,
                         reason=f"{modified[key]}: InvAct saves it, so backward would fail")  # fmt: skip
         else:
             saved = saved or 0
@@ -426,13 +426,13 @@ def _measured(
                 d = dataclasses.replace(
                     d,
                     replace=False,
-                    saved_bytes=saved,
+                    spared_bytes=saved,
                     gated_bytes=gated_bytes,
                     reason=f"measured: replacing it would add {-saved - product} bytes: {_NO_GAIN}",
                 )
             else:
                 of = f" ({product} of them by the gated path, invact.mlp.gated)" if product else ""
-                d = dataclasses.replace(d, saved_bytes=saved, gated_bytes=gated_bytes,
+                d = dataclasses.replace(d, spared_bytes=saved, gated_bytes=gated_bytes,
                                         gated=kinds.parent_name(d.name) if product else None,
                                         reason=f"measured: saves {saved + product} bytes{of} in the example "
                                                "forward")  # fmt: skip

@@ -95,7 +95,7 @@ def _call(hidden, weight, bias) -> tuple:
     kind = _device_type(hidden)
     try:
         cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-    except RuntimeError:  # a device type autocast does not know (meta, outside invact._autocast)
+    except RuntimeError:  # a device type autocast does not know (meta, outside invact.planner.autocast)
         cast = None
     return _version_counters(weight, bias, None, hidden), (kind, cast)
 

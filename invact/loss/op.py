@@ -107,7 +107,7 @@ def _compute_dtype(h: torch.Tensor, w: torch.Tensor, kind: str) -> torch.dtype:
     try:
         if torch.is_autocast_enabled(kind):
             return torch.get_autocast_dtype(kind)
-    except RuntimeError:  # a device type autocast does not know (meta, outside invact._autocast)
+    except RuntimeError:  # a device type autocast does not know (meta, outside invact.planner.autocast)
         pass
     return h.dtype if h.dtype is w.dtype else torch.result_type(h, w)
 

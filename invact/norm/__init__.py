@@ -530,10 +530,10 @@ def _measured(model: nn.Module, decisions: list[Decision], example_inputs) -> li
         )
         if freed - cost <= 0:
             why = f"measured: inverting it would add {cost - freed} bytes (no later op saves its output)"
-            result.append(dataclasses.replace(d, replace=False, saved_bytes=freed - cost, reason=why))
+            result.append(dataclasses.replace(d, replace=False, spared_bytes=freed - cost, reason=why))
         else:
             why = f"measured: saves {freed - cost} bytes; {d.reason}"
-            result.append(dataclasses.replace(d, saved_bytes=freed - cost, reason=why))
+            result.append(dataclasses.replace(d, spared_bytes=freed - cost, reason=why))
     return result
 
 

@@ -36,6 +36,20 @@ def test_the_fits_table_is_its_result_and_the_readmes():
     assert table in readme
 
 
+def test_the_qlora_fits_table_is_its_result_and_the_readmes():
+    """The README's QLoRA rows (benchmarks/plan_fits.py --models Llama-3.1-8B --recipes qlora), each
+    answer's peak within its budget, and the seconds each search took quoted in the docs."""
+    result = json.loads((RESULTS / "plan_fits_qlora.json").read_text())
+    table = _module("plan_fits").table(result)
+    assert (RESULTS / "plan_fits_qlora.md").read_text() == table + "\n"
+    assert table in (ROOT / "README.md").read_text()
+    for plan in result["plans"]:
+        assert {r["recipe"] for r in plan["rows"]} == {"qlora"}
+        assert all(r["peak_bytes"] <= plan["fits_bytes"] for r in plan["rows"] if r["seq"]), plan["budget"]
+    seconds = {p["budget"]: p["seconds"] for p in result["plans"]}
+    assert f"{seconds['24GiB']:.1f} s for the QLoRA search in 24 GiB" in _text("docs/patching.md")
+
+
 def test_the_fits_timings_and_step_counts_quoted_are_the_results():
     result = json.loads((RESULTS / "plan_fits.json").read_text())
     seconds = {(p["model"], p["budget"]): p["seconds"] for p in result["plans"]}

@@ -169,14 +169,14 @@ def _train(case: str, rank: int, patched: bool) -> dict:
     """STEPS steps of the case's wrapping on this rank's half of the batch. Returns {"losses": [per
     step], "grads": [per step: {name: the whole gradient}], "params": {name: the whole parameter after
     step 1's update}, "peak": the live bytes' peak of step 1's forward and backward
-    (invact.step_peak.LiveBytes; None under compile, which Dynamo refuses to trace under a dispatch
+    (invact.planner.live_bytes.LiveBytes; None under compile, which Dynamo refuses to trace under a dispatch
     mode), "max_logit": max |logit| of each step (unpatched; [] patched, whose logits are not computed),
     "layer_calls": decoder-layer forwards in step 1 (checkpointing runs each again in backward),
     "param_types", "shards" (_shard_sizes), "patched": what invact.patch() replaced, and under compile
     "ops" and "traced" (_stack_workers._recording: the ops the compiled graphs run, and those Dynamo
     traced)."""
     import invact
-    from invact.step_peak import LiveBytes
+    from invact.planner.live_bytes import LiveBytes
 
     model = make_model(tied=case == "tied")
     names = invact.patch(model) if patched and case != "patch_after_shard" else []

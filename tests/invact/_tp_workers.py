@@ -23,8 +23,8 @@ each result in OUT_DIR/<case>_rank<r>.pt):
   each block and the root) across ("dp"), each dp group its own half of the batch.
 
 Step 1 of each training run records its loss, every parameter's whole gradient, the bytes autograd saved
-(invact.memory.count_saved), the live bytes' peak (invact.step_peak.LiveBytes), and the saved tensors whose
-last dimension is the vocabulary's or a rank's shard of it (the logits, their log-softmax).
+(invact.memory.count_saved), the live bytes' peak (invact.planner.live_bytes.LiveBytes), and the saved
+tensors whose last dimension is the vocabulary's or a rank's shard of it (the logits, their log-softmax).
 """
 
 from __future__ import annotations
@@ -143,10 +143,10 @@ def _shard_widths(world: int) -> set[int]:
 
 def _steps(model, loss_of, params_of=None) -> dict:
     """STEPS AdamW steps of `loss_of(model)` (a scalar): {"losses", "grads" (step 1, whole), "saved" (step 1's
-    bytes, invact.memory.count_saved), "peak" (step 1's live bytes, invact.step_peak.LiveBytes),
+    bytes, invact.memory.count_saved), "peak" (step 1's live bytes, invact.planner.live_bytes.LiveBytes),
     "vocab_wide" (step 1's saved tensors of the vocabulary's width, their shapes)}."""
     import invact
-    from invact.step_peak import LiveBytes
+    from invact.planner.live_bytes import LiveBytes
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     run, widths = {"losses": []}, _shard_widths(_world())

@@ -3,10 +3,11 @@ tests/invact/data/plan_outputs.json so a change to the planner's code that chang
 test_plan_outputs.py runs the same commands and compares, character for character.
 
 `python tests/invact/plan_outputs.py` writes the file afresh (after a change meant to move the answers;
-the diff of the JSON shows which moved). The commands: each config's saved-bytes table and its --json,
+the diff of the JSON shows which moved); `python tests/invact/plan_outputs.py qlora` the named commands'
+outputs alone. The commands: each config's saved-bytes table and its --json,
 and the step's peaks with --explain for the default recipes (on the meta device, for cuda: nothing in them
 depends on this machine's CPU), at batch 1 x seq 512 (an encoder-decoder or a vision model's image
-tokens included); on the smallest Llama also mixed precision, FSDP2 over 4 GPUs and --fits."""
+tokens included); on the smallest Llama also mixed precision, QLoRA, FSDP2 over 4 GPUs and --fits."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ ONE_COMMANDS: dict[str, list[str]] = {
     "mixed": ["--batch", "1", "--seq", "512", "--explain", "--recipe", "mixed"],
     "fsdp": ["--batch", "2", "--seq", "256", "--explain", "--gpus", "4", "--fsdp"],
     "fits": ["--fits", "24GiB", "--recipe", "lora"],
+    "qlora": ["--batch", "1", "--seq", "512", "--explain", "--recipe", "qlora"],
 }
 
 
@@ -55,13 +57,14 @@ def run(config: Path, command: str) -> tuple[int, str]:
     return status, out.getvalue()
 
 
-def main() -> None:
+def main(only: list[str]) -> None:
+    """Writes every command's output, or with `only` (command names) those alone, the rest kept."""
     import os
 
     os.chdir(ROOT)
-    outputs = {}
+    outputs = json.loads(OUTPUTS.read_text(encoding="utf-8")) if only and OUTPUTS.exists() else {}
     for config in CONFIGS:
-        for command in commands(config):
+        for command in [c for c in commands(config) if not only or c in only]:
             status, text = run(config, command)
             if status:
                 sys.exit(f"invact plan {config.name} {command}: exit status {status}")
@@ -74,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

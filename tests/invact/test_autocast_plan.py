@@ -1,4 +1,4 @@
-"""invact._autocast: the rules the meta device's autocast casts by are torch's (an Autocast kernel is
+"""invact.planner.autocast: the rules the meta device's autocast casts by are torch's (an Autocast kernel is
 registered for each rule's aten op), and on CPU they give the dtypes torch.autocast gives."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from invact._autocast import ATEN, COMPOSITE, FP32, FP32_DTYPE, LOWER, Autocast
+from invact.planner.autocast import ATEN, COMPOSITE, FP32, FP32_DTYPE, LOWER, Autocast
 
 KEYS = {"cuda": "AutocastCUDA", "cpu": "AutocastCPU"}
 RULES = [
@@ -84,7 +84,7 @@ class _Rotary(torch.nn.Module):
 def test_an_autocast_region_on_meta_tensors(active):
     # torch refuses device_type "meta" (RuntimeError); under meta_regions the region turns the planner's
     # Autocast off for its body (float32 there, bf16 after it) and is a no-op without one.
-    from invact._autocast import meta_regions
+    from invact.planner.autocast import meta_regions
 
     x, w = torch.empty(4, 8, device="meta"), torch.empty(16, 8, device="meta", requires_grad=True)
     with pytest.raises(RuntimeError):

@@ -20,7 +20,8 @@ TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=176, num
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                   max_position_embeddings=64)  # fmt: skip
 # What the command must not have imported when it refuses bad input: these take seconds
-HEAVY = ("torch", "transformers", "invact.planner", "invact.step_peak")
+# (invact.planner itself, its options and report, are the standard library's alone: the command imports them)
+HEAVY = ("torch", "transformers", "invact.planner.config", "invact.planner.forward", "invact.planner.step")
 
 
 def _run(*args: str, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -69,7 +70,7 @@ BAD = [
     ("--fsdp without --gpus", ["{config}", "--fsdp", "--fits", "80GiB"], "give --gpus N"),
     ("--gpus 0", ["{config}", "--gpus", "0", "--fsdp", "--fits", "80GiB"], "--gpus"),
     ("--gpus without --seq", ["{config}", "--gpus", "2", "--fsdp", "--batch", "1"], "--gpus need"),
-    ("unknown recipe", ["{config}", "--fits", "1GiB", "--recipe", "qlora"], "invalid choice: 'qlora'"),
+    ("unknown recipe", ["{config}", "--fits", "1GiB", "--recipe", "dora"], "invalid choice: 'dora'"),
     ("unknown command", None, "invalid choice: 'fly'"),
     ("no command", None, "required: COMMAND"),
 ]
@@ -133,22 +134,22 @@ def test_the_top_level_help_lists_the_commands_and_what_fits_answers():
 
 
 def test_the_planners_names_are_the_commands():
-    """invact.cli, invact.planner and invact.step_peak take the names `invact plan` accepts from one
-    torch-free module (invact.plan_options): the planner's dtypes and recipes are those names."""
-    from invact import cli, plan_options, planner, step_peak
+    """invact.cli and the planner's rooms take the names `invact plan` accepts from one torch-free module
+    (invact.planner.options): the planner's dtypes and recipes are those names."""
+    from invact import cli
+    from invact.planner import config, inputs, options, recipes, step
 
-    assert set(planner.DTYPES) == set(plan_options.DTYPE_NAMES)
-    assert all(str(planner.DTYPES[k]) == f"torch.{v}" for k, v in plan_options.DTYPE_NAMES.items())
-    assert {name: r.label for name, r in step_peak.RECIPES.items()} == plan_options.RECIPE_LABELS
-    assert planner.DEFAULT_IMAGE_SIDE is plan_options.DEFAULT_IMAGE_SIDE
-    assert step_peak.SEQ_MULTIPLE is cli.SEQ_MULTIPLE is plan_options.SEQ_MULTIPLE
-    assert cli.KINDS is planner.KINDS  # the name cli.__all__ has kept
+    assert set(config.DTYPES) == set(options.DTYPE_NAMES)
+    assert all(str(config.DTYPES[k]) == f"torch.{v}" for k, v in options.DTYPE_NAMES.items())
+    assert {name: r.label for name, r in recipes.RECIPES.items()} == options.RECIPE_LABELS
+    assert inputs.DEFAULT_IMAGE_SIDE is options.DEFAULT_IMAGE_SIDE
+    assert step.SEQ_MULTIPLE is cli.SEQ_MULTIPLE is options.SEQ_MULTIPLE
 
 
 @pytest.mark.parametrize("text", ["24GiB", "24 GiB", "24G", "80GB", "1.5TiB", "512MiB", "100", "4kb", ".5g"])
 def test_fits_reads_a_size_as_the_planner_does(text):
     from invact.cli import _size
-    from invact.step_peak import parse_size
+    from invact.planner.options import parse_size
 
     assert _size(text) == parse_size(text)
 

@@ -78,9 +78,9 @@ def test_a_bf16_backward_holds_dx_and_three_fp32_blocks(monkeypatch, n):
 
 
 def _live_peak(fn, known: list[torch.Tensor]) -> int:
-    """The peak of live bytes invact.step_peak.LiveBytes follows while fn runs (torch's ops alone),
+    """The peak of live bytes invact.planner.live_bytes.LiveBytes follows while fn runs (torch's ops alone),
     above the `known` tensors' (fn's inputs: a view of one is no new memory)."""
-    from invact.step_peak import LiveBytes
+    from invact.planner.live_bytes import LiveBytes
 
     live = LiveBytes({"inputs": known})
     try:

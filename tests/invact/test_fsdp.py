@@ -90,7 +90,7 @@ GRAD_BOUND = 2 * _gamma(_PATH)
 # forward's path relative to the loss.
 STEP2_ROUNDING = 2 * _gamma(_FORWARD_PATH)
 
-# The cases whose step 1 is followed by invact.step_peak.LiveBytes: not under torch.compile (Dynamo
+# The cases whose step 1 is followed by invact.planner.live_bytes.LiveBytes: not under torch.compile (Dynamo
 # refuses to trace under a dispatch mode), nor under checkpointing, where what the forward saves is a
 # layer's input and the peak is in the backward of a recomputed layer: there the workers' CPU backward
 # (the generated torch functions, as in _stack_workers: numba would compile in each process) takes
@@ -309,7 +309,7 @@ def test_first_step_gradients(fsdp_results, references, case):
 
 @pytest.mark.parametrize("case", PEAK_CASES)
 def test_patched_peak_is_lower(fsdp_results, case):
-    """Each rank's peak live bytes of step 1's forward and backward (invact.step_peak.LiveBytes: the
+    """Each rank's peak live bytes of step 1's forward and backward (invact.planner.live_bytes.LiveBytes: the
     shards, buffers and inputs from the start, then every storage an op allocates until it is freed)."""
     for r in _runs(fsdp_results, case):
         patched, unpatched = r["patched"]["peak"], r["unpatched"]["peak"]

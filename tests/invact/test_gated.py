@@ -501,7 +501,7 @@ def test_a_fused_gate_up_gains_only_with_the_gated_path(label):
     inputs = {"input_ids": torch.randint(0, 128, (BATCH, SEQ))}
     alone = invact.plan(model, example_inputs=inputs, gated=False, norms=False)  # one SiLU per layer
     assert len(alone) == LAYERS and not any(d.replace for d in alone)
-    assert sum(d.saved_bytes for d in alone) == -LAYERS * BATCH * SEQ * _decoders()[label][1] // 8
+    assert sum(d.spared_bytes for d in alone) == -LAYERS * BATCH * SEQ * _decoders()[label][1] // 8
     assert invact.patch(model, example_inputs=inputs, gated=False, norms=False) == []
     assert len(invact.patch(model, example_inputs=inputs, norms=False)) == LAYERS
 

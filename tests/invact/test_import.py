@@ -82,3 +82,18 @@ def test_no_import_circle():
         if name not in done:
             visit(name)
     assert not circles, circles
+
+
+def test_imports_run_one_way_cli_planner_runtime():
+    """The command imports the planner, the planner the runtime's op kinds; never back: no module outside
+    invact.planner but the command's (invact.cli, invact.__main__) imports it, and no room of the planner
+    imports the command."""
+    graph = _import_graph()
+    planner = {name for name in graph if name == "invact.planner" or name.startswith("invact.planner.")}
+    assert {"invact.planner.forward", "invact.planner.step"} <= planner  # the graph is read
+    command = {"invact.cli", "invact.__main__"}
+    back = sorted(
+        f"{name} -> {dep}" for name in set(graph) - planner - command for dep in graph[name] & planner
+    )
+    assert not back, back
+    assert not [name for name in planner if graph[name] & command]

@@ -1,4 +1,4 @@
-"""invact._meta_outputs.MetaOutputs, which a planned step calls its meta ops through: each call it
+"""invact.planner.meta_outputs.MetaOutputs, which a planned step calls its meta ops through: each call it
 answers from memory returns what the op returns (shapes, strides, dtypes, fresh storages of the same
 bytes), views and calls it cannot describe run the op, and a whole planned step's peak, terms, phase and
 op are the same with it as without it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from invact._meta_outputs import MetaOutputs
+from invact.planner.meta_outputs import MetaOutputs
 
 aten = torch.ops.aten
 
@@ -104,7 +104,7 @@ def test_a_planned_step_is_the_same_with_and_without_remembered_outputs(config, 
     pytest.importorskip("transformers")
     if recipe == "lora":
         pytest.importorskip("peft")
-    from invact.step_peak import Step
+    from invact.planner.step import Step
 
     remembered, plain = Step(dict(config), recipe, device=device), Step(dict(config), recipe, device=device)
     plain._outputs = None  # every op runs its meta kernel
@@ -136,11 +136,11 @@ def _aten_overloads() -> list:
 
 @pytest.mark.skipif(not hasattr(torch.Tag, "inplace"), reason="torch.Tag.inplace: torch 2.13 and later")
 def test_inplace_by_schema_agrees_with_torchs_tag():
-    """invact._meta_outputs.inplace reads the schema (torch.Tag.inplace is absent before torch 2.13):
+    """invact.planner.meta_outputs.inplace reads the schema (torch.Tag.inplace is absent before torch 2.13):
     every op torch tags in-place is in-place by the schema, and each op only the schema calls in-place
     writes its first argument and returns it or nothing (aten::copy_.int, index_put_.hacked_twin:
     untagged overloads of in-place ops), which is all MetaOutputs relies on."""
-    from invact._meta_outputs import inplace
+    from invact.planner.meta_outputs import inplace
 
     overloads = _aten_overloads()
     assert len(overloads) > 1000  # aten's whole registry was read, not a part of it

@@ -185,7 +185,7 @@ def test_measured_decisions_replace_where_bytes_are_freed():
     model = _decoders()["qwen3"]()
     inputs = {"input_ids": _ids()}
     norms = [d for d in invact.plan(model, norms=True, example_inputs=inputs) if d.kind == "norm"]
-    assert norms and all(d.replace and d.saved_bytes > 0 and d.reason.startswith("measured") for d in norms)
+    assert norms and all(d.replace and d.spared_bytes > 0 and d.reason.startswith("measured") for d in norms)
     invact.patch(model, norms=True, example_inputs=inputs)
     assert sorted(n for n, m in model.named_modules() if isinstance(m, InvNorm)) == sorted(
         d.name for d in norms
@@ -207,7 +207,7 @@ def test_measured_norm_whose_output_no_later_op_saves_frees_only_its_statistics(
     (decision,) = [
         d for d in invact.plan(model, norms=True, example_inputs=torch.randn(4, 8)) if d.kind == "norm"
     ]
-    assert decision.saved_bytes == 4 * 4
+    assert decision.spared_bytes == 4 * 4
 
 
 def _llama_pair():

@@ -50,9 +50,9 @@ def test_dropout_after_the_activation_never_adds_memory(p, inplace, measured):
 def test_plan_reports_the_measured_saving(mode):
     (d,) = invact.plan(_mlp(0.0), mode=mode, example_inputs=X)
     bits = 0 if mode == "precision_bit" else N // 8
-    assert d.replace and d.saved_bytes == 4 * N - bits and str(d.saved_bytes) in d.reason
+    assert d.replace and d.spared_bytes == 4 * N - bits and str(d.spared_bytes) in d.reason
     (d,) = invact.plan(_mlp(0.1), mode=mode, example_inputs=X)
-    assert not d.replace and d.saved_bytes == -bits and "would add" in d.reason
+    assert not d.replace and d.spared_bytes == -bits and "would add" in d.reason
 
 
 def test_a_reduction_after_the_activation_is_left_alone():
@@ -67,7 +67,7 @@ def test_a_reduction_after_the_activation_is_left_alone():
     model = SumAct()
     before = _saved(model, X)
     (d,) = invact.plan(model, example_inputs=X)
-    assert not d.replace and d.saved_bytes == -(N // 8)
+    assert not d.replace and d.spared_bytes == -(N // 8)
     assert invact.patch(model, example_inputs=X) == [] and _saved(model, X) == before
 
 
@@ -195,7 +195,7 @@ def test_timm_style_mlp_with_drop1_is_left_alone_statically():
     (d,) = invact.plan(model)
     assert not d.replace and "drop1" in d.reason and d.reason.endswith(RISK_HINT)
     (d,) = invact.plan(model, example_inputs=X)  # measured: the same decision
-    assert not d.replace and d.saved_bytes == -(N // 8)
+    assert not d.replace and d.spared_bytes == -(N // 8)
 
 
 def test_measured_function_attributes_in_nested_layers():
@@ -207,4 +207,4 @@ def test_measured_function_attributes_in_nested_layers():
     decisions = invact.plan(model, example_inputs=x, norms=False)
     assert [d.name for d in decisions] == ["layers.0.activation", "layers.1.activation"]
     n = 2 * 16 * HIDDEN
-    assert all(d.replace and d.saved_bytes == 4 * n - n // 8 for d in decisions)
+    assert all(d.replace and d.spared_bytes == 4 * n - n // 8 for d in decisions)

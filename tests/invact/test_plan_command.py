@@ -1,4 +1,4 @@
-"""`invact plan` (invact/cli.py, invact/planner.py): the bytes a training forward saves for backward,
+"""`invact plan` (invact/cli.py, invact/planner/): the bytes a training forward saves for backward,
 planned on the meta device from a config alone, against what a real CPU forward holds (the profiler,
 no saved-tensor hooks); the command's errors, help and output; and invact's counter, op and gated
 hooks on meta tensors."""
@@ -323,12 +323,12 @@ def test_llama_1b_shaped_head_and_loss():
     nll_loss's fp32 total weight; patch()'s loss computes its gradients in the forward and saves the
     hidden states' alone (tokens x hidden, bf16): the head weight's, held as the parameter's gradient
     from the backward's first op, is not counted (invact.memory.EARLY_GRADIENT)."""
-    from invact.planner import plan_memory
+    from invact.planner.forward import forward_saved
 
     config = ROOT / "benchmarks" / "configs" / "llama-3.2-1b-shaped.json"
     cfg = json.loads(config.read_text())
     tokens, bf16 = 4096, 2
-    plan = plan_memory(config, 1, tokens, "bfloat16")
+    plan = forward_saved(config, 1, tokens, "bfloat16")
     kinds = {k["kind"]: k for k in plan["kinds"]}
     targets = (tokens + 1) * 8
     logits = tokens * (cfg["hidden_size"] * bf16 + cfg["vocab_size"] * 4)
@@ -357,10 +357,10 @@ def _assert_a_real_forward_saves(plan: dict, config: dict) -> None:
 def test_fused_gate_up_on_meta_matches_cpu():
     """Phi-3's fused gate_up: the gated path moves u and y into the fused output when the MLP returns,
     telling storages apart by identity on meta: the planned bytes are a real forward's."""
-    from invact.planner import plan_memory
+    from invact.planner.forward import forward_saved
 
     config = TINY_LLAMA | {"model_type": "phi3", "pad_token_id": 0}
-    plan = plan_memory(config, BATCH, SEQ, "float32", labels=False)
+    plan = forward_saved(config, BATCH, SEQ, "float32", labels=False)
     _assert_a_real_forward_saves(plan, config)
 
 
@@ -370,9 +370,9 @@ def test_masked_attention_on_meta_takes_the_kernel_cpu_takes():
     on stand-ins broadcasts it (its last two dimensions 1), so the meta forward takes CPU's fused kernel
     with the mask as a real one does (the mask's key length against the stand-ins' one key sent it to
     the math path, which also keeps the attention probabilities)."""
-    from invact.planner import plan_memory
+    from invact.planner.forward import forward_saved
 
     config = TINY_LLAMA | {"model_type": "mistral", "sliding_window": SEQ // 4}
-    plan = plan_memory(config, BATCH, SEQ, "float32", labels=False)
+    plan = forward_saved(config, BATCH, SEQ, "float32", labels=False)
     assert plan["attention"]["kernels"] == ["flash"]
     _assert_a_real_forward_saves(plan, config)

@@ -1,4 +1,4 @@
-"""`invact plan` on vision-language models with images and on encoder-decoders (invact/planner.py,
+"""`invact plan` on vision-language models with images and on encoder-decoders (invact/planner/,
 invact/cli.py): the planned bytes equal those a real CPU forward of the same inputs saves
 (invact.memory.count_saved, random weights), eager and patched, for six VLM families, T5 and BART; the
 vision tower's rows; the --images and --image-size errors; and every committed config plans, as the
@@ -159,9 +159,9 @@ def _forward_parameters(data: dict):
 
 
 def _plan(config: dict, *args, **kwargs) -> dict:
-    from invact.planner import plan_memory
+    from invact.planner.forward import forward_saved
 
-    return plan_memory(config, *args, **kwargs)
+    return forward_saved(config, *args, **kwargs)
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
@@ -206,8 +206,8 @@ def _kinds(plan: dict, which: str) -> dict[str, int]:
 
 
 def test_the_vision_tower_has_its_own_rows():
-    from invact.cli import format_plan
-    from invact.planner import KINDS, VISION
+    from invact.planner.forward import KINDS, VISION
+    from invact.planner.report import format_forward
 
     plan = _plan(TINY["qwen2.5-vl"], BATCH, SEQ, "bfloat16", image_size=QWEN_SIDE)
     assert plan["images"] == 1  # the default: one image per sample
@@ -223,7 +223,7 @@ def test_the_vision_tower_has_its_own_rows():
     assert all(eager[k] for k in vision), {k: eager[k] for k in vision}
     assert patched[VISION + "gated_products"] == 0 < eager[VISION + "gated_products"]  # recomputed
     assert patched[VISION + "norms"] < eager[VISION + "norms"]
-    table = format_plan(plan).splitlines()
+    table = format_forward(plan).splitlines()
     rows = [line for line in table if line.startswith(("vision:", "attention", "total"))]
     assert len(rows) == len(vision) + 2 and len({len(line) for line in rows}) == 1  # one aligned table
     assert any(line.startswith("images: 1 per sample, 56 x 56 pixels") for line in table)
@@ -231,7 +231,7 @@ def test_the_vision_tower_has_its_own_rows():
 
 
 def test_a_text_model_has_no_vision_rows_and_images_zero_plans_text_only():
-    from invact.planner import VISION
+    from invact.planner.forward import VISION
 
     text = _plan(TINY_LLAMA, 1, 16, "bfloat16")
     assert (text["images"], text["image_inputs"], text["vision_eager_bytes"]) == (0, None, 0)
@@ -267,7 +267,7 @@ def test_bad_images_are_one_line_and_status_2(tmp_path, capsys, case, args):
 
 def test_help_explains_images_and_encoder_decoders(capsys):
     from invact.cli import main
-    from invact.planner import DEFAULT_IMAGE_SIDE
+    from invact.planner.options import DEFAULT_IMAGE_SIDE
 
     assert main(["plan", "--help"]) == 0
     out = capsys.readouterr().out
@@ -313,10 +313,10 @@ def test_t5_base_shaped_head_and_loss():
     assert plan["patched_output_bytes"] == FP32  # the loss alone: no logits
     # docs/patching.md shows these lines of the command's table (its text block names no command: the
     # command runs here, in process, not again by test_plan_command's check of the documented plans)
-    from invact.cli import format_plan
+    from invact.planner.report import format_forward
 
     shown = (ROOT / "docs" / "patching.md").read_text().splitlines()
-    printed = format_plan(plan).splitlines()
+    printed = format_forward(plan).splitlines()
     for start in ("encoder-decoder:", "saved for backward:", "attention ", "head and loss "):
         (line,) = [p for p in printed if p.startswith(start)]
         assert line in shown, f"docs/patching.md does not show {line!r}"

@@ -1,4 +1,4 @@
-"""`invact plan --step / --explain / --fits` (invact.step_peak): sizes, the search for the longest
+"""`invact plan --step / --explain / --fits` (invact.planner.step): sizes, the search for the longest
 sequence or the largest batch that fits, the terms of a peak, and the command's errors. Whether the
 predicted peaks are a real step's: tests/invact/test_step_peak.py."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from invact.planner import PlanError
-from invact.step_peak import SEQ_MULTIPLE, TERMS, Step, largest, parse_size, plan_step
+from invact.planner.fits import largest
+from invact.planner.options import SEQ_MULTIPLE, TERMS, PlanError, parse_size
+from invact.planner.step import Step, step_peaks
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +72,7 @@ def test_the_search_finds_what_trying_every_size_finds(seed):
 
 @pytest.fixture(scope="module")
 def fitted():
-    return plan_step(dict(TINY), 2, None, fits="20MiB", device="cpu")
+    return step_peaks(dict(TINY), 2, None, fits="20MiB", device="cpu")
 
 
 def test_each_answer_fits_and_the_next_size_does_not(fitted):
@@ -126,7 +127,8 @@ def test_largest_batch_and_explain(tiny_config):
         (("--step", "--batch", "1"), "--step, --explain and --gpus need --batch and --seq"),
         (("--fits", "1GiB", "--dtype", "float32"), "leave --dtype at bfloat16"),
         (("--fits", "1GiB", "--no-loss"), "drop --no-gated"),
-        (("--fits", "1GiB", "--recipe", "qlora"), "invalid choice: 'qlora'"),
+        (("--fits", "1GiB", "--recipe", "dora"), "invalid choice: 'dora'"),
+        (("--fits", "1GiB", "--recipe", "qlora", "--gpus", "2", "--fsdp"), "FSDP-QLoRA) is not planned"),
         (("--batch", "1"), "the following argument is required: --seq"),
     ],
 )

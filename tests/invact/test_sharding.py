@@ -1,4 +1,5 @@
-"""The per-GPU plan of an FSDP2 step (invact.sharding, invact.step_peak with `ranks`): each rank's shards,
+"""The per-GPU plan of an FSDP2 step (invact.planner.sharding, invact.planner.step with `ranks`): each
+rank's shards,
 the terms a plan reports, and the committed check against real FSDP2 steps over gloo
 (benchmarks/fsdp_peaks.py measures, benchmarks/fsdp_plan.py predicts beside them)."""
 
@@ -14,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from invact.planner import build_model
-from invact.sharding import Sharding, shard_shape
-from invact.step_peak import Step
+from invact.planner.config import build_model
+from invact.planner.sharding import Sharding, shard_shape
+from invact.planner.step import Step
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -108,7 +109,7 @@ def _module(name: str):
 def test_the_committed_per_gpu_check_holds_and_is_what_the_planner_predicts_now():
     """results/fsdp_plan_cpu.json: every real FSDP2 step (3 architectures, 2 and 4 ranks, eager and
     patch()) within the planner's bounds; its table is its .md; and the planner predicts the same bytes
-    today (a change to invact.sharding or the step's plan shows here first)."""
+    today (a change to invact.planner.sharding or the step's plan shows here first)."""
     result = json.loads((RESULTS / "fsdp_plan_cpu.json").read_text())
     peaks = json.loads((RESULTS / "fsdp_peaks_cpu.json").read_text())
     fsdp_plan = _module("fsdp_plan")
@@ -166,9 +167,9 @@ def test_the_quoted_per_gpu_accuracy_is_the_committed_check():
 
 def test_the_command_plans_per_gpu(tmp_path, capsys):
     """`invact plan CONFIG --gpus 2 --fsdp --explain`: the header says per GPU, each peak lists FSDP2's
-    term, and --json carries the ranks; its peaks are plan_step's with ranks=2."""
+    term, and --json carries the ranks; its peaks are step_peaks's with ranks=2."""
     from invact.cli import main
-    from invact.step_peak import plan_step
+    from invact.planner.step import step_peaks
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", **TINY}))
@@ -178,7 +179,7 @@ def test_the_command_plans_per_gpu(tmp_path, capsys):
     assert "per GPU of 2 training with FSDP2" in text and "FSDP2: gathered parameters" in text
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    expected = plan_step(str(config), 1, 64, recipes=("bf16",), device="cuda", ranks=2)
+    expected = step_peaks(str(config), 1, 64, recipes=("bf16",), device="cuda", ranks=2)
     assert result["ranks"] == 2
     assert [r["peak_bytes"] for r in result["rows"]] == [r["peak_bytes"] for r in expected["rows"]]
 

@@ -1,4 +1,4 @@
-"""invact.step_peak's predicted peaks against real CPU steps: LiveBytes' bookkeeping on plain CPU ops, the
+"""invact.planner.step's predicted peaks against real CPU steps: LiveBytes' bookkeeping on plain CPU ops, the
 profiler measurement the comparison rests on, and each predicted peak (the meta device) against the
 profiler's peak of one real step of the same model, for the architectures of benchmarks/step_plan.py
 (the five it was fitted on and four more), every recipe, eager and patched, without and with
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from invact import step_peak
-from invact.step_peak import CPU_PACKED_N, RECIPES, LiveBytes, cpu_matmul_workspace
+from invact.planner import live_bytes
+from invact.planner.live_bytes import CPU_PACKED_N, LiveBytes, cpu_matmul_workspace
+from invact.planner.recipes import RECIPES
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +29,7 @@ import step_plan  # noqa: E402
 
 sys.path.pop(0)
 
-# The acceptance for invact.step_peak's predicted peak: within 5% of the measured one, and never more
+# The acceptance for invact.planner.step's predicted peak: within 5% of the measured one, and never more
 # than 2% below it (a plan that promises less than the step takes is the costly error). Measured by
 # benchmarks/step_plan.py on a 2-core Intel Xeon (AVX512), torch 2.13, transformers 5.24, 180 rows
 # (5 architectures x seq 128/256/512 x 3 recipes x eager/patched x checkpointing off/on): all 180
@@ -203,7 +204,7 @@ def test_the_planned_workspace_is_onednns_copy_of_a_narrow_b(m, k, n):
         assert 0 <= measured - planned <= SCRATCH_REST, (func, measured, planned)
 
 
-@pytest.mark.skipif(step_peak._onednn_bf16(), reason="this CPU's bf16 matmuls run oneDNN's kernels")
+@pytest.mark.skipif(live_bytes._onednn_bf16(), reason="this CPU's bf16 matmuls run oneDNN's kernels")
 @pytest.mark.parametrize("m, k, n", _NARROW)
 def test_where_torch_runs_its_own_bf16_kernel_no_workspace_is_planned_or_made(m, k, n):
     # an AVX2 CPU: torch's own bf16 matmul allocates its output alone
@@ -214,7 +215,7 @@ def test_where_torch_runs_its_own_bf16_kernel_no_workspace_is_planned_or_made(m,
 
 
 def test_no_workspace_is_planned_but_a_narrow_bf16_bs(monkeypatch):
-    monkeypatch.setattr(step_peak, "_onednn_bf16", lambda: True)  # the plan on a CPU that runs oneDNN's
+    monkeypatch.setattr(live_bytes, "_onednn_bf16", lambda: True)  # the plan on a CPU that runs oneDNN's
     aten = torch.ops.aten
     a, b = torch.empty(64, 4096, dtype=torch.bfloat16), torch.empty(4096, CPU_PACKED_N, dtype=torch.bfloat16)
     assert cpu_matmul_workspace(aten.mm.default, (a, b), threads=4) == 4 * 4096 * CPU_PACKED_N * 2
@@ -261,6 +262,8 @@ def test_the_unfitted_architectures_results_are_within_the_acceptance_and_quoted
 def test_predicted_peak_is_a_real_steps(name, recipe, patched, checkpointing):
     if RECIPES[recipe].lora:
         pytest.importorskip("peft")
+    if RECIPES[recipe].quantized:
+        pytest.importorskip("bitsandbytes")
     meta, real = _steps(name, recipe, patched)
     gc.collect()
     predicted = meta.peak(BATCH, SEQ, checkpointing=checkpointing)

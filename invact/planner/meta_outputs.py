@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from invact.planner import _output_tensors
+from invact.planner.as_on_device import tensors_in
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -133,7 +133,7 @@ class MetaOutputs:
             self.known[key] = True
             return out
         # the inputs' storages: an output in one is a view whatever the schema says (_unsafe_view's)
-        inputs = {t.untyped_storage()._cdata for t in _output_tensors((args, kwargs))}
+        inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
         try:
             self.known[key] = _template(out, inputs)
         except _NoKey:

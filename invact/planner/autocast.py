@@ -1,4 +1,4 @@
-"""Autocast on the meta device, for invact.step_peak's mixed-precision recipe: torch.autocast acts on
+"""Autocast on the meta device, for invact.planner.step's mixed-precision recipe: torch.autocast acts on
 tensors of its own device type only (a meta tensor is never cast), so `Autocast(device)` casts as
 autocast on `device` ("cuda" or "cpu") would, at the Python call the model makes.
 
@@ -171,7 +171,9 @@ class Autocast(TorchFunctionMode):
         def is_autocast_enabled(device_type=None):
             if device_type == "meta":
                 return self.enabled
-            return original() if device_type is None else original(device_type)
+            if device_type is None:  # torch's no-argument form asks about CUDA (PEFT's LoRA layers ask it)
+                return self.enabled if self.device == "cuda" else original()
+            return original(device_type)
 
         return is_autocast_enabled
 

@@ -1,5 +1,5 @@
 """What FSDP2 (`torch.distributed.fsdp.fully_shard`) holds on one rank of N during a training step, for
-invact.step_peak's plan of a step on the meta device: `Sharding(model, ranks)` stands in for
+invact.planner.step's plan of a step on the meta device: `Sharding(model, ranks)` stands in for
 `fully_shard` on each decoder layer and then the root, as torchtitan, accelerate and TRL wrap a model,
 without a process group and without FSDP2 itself (whose lazy init refuses meta parameters and whose
 internals differ across torch 2.11-2.15). It gives each parameter its shard and follows, with module
@@ -92,7 +92,7 @@ class _PostBackward(torch.autograd.Function):
 class Sharding:
     """FSDP2's per-rank memory of `model` on `ranks` ranks (module docstring). `shards`: a meta tensor per
     parameter, its rank's shard (what the optimizer steps on: `trainable`); `attach(live)` installs the
-    hooks for one step followed by `live` (invact.step_peak.LiveBytes), `finish()` reduces what the
+    hooks for one step followed by `live` (invact.planner.live_bytes.LiveBytes), `finish()` reduces what the
     backward left (the root's gradients, and every unit's where its inputs needed none) and frees the
     gathered copies; `detach()` removes the hooks."""
 
