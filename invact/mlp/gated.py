@@ -283,9 +283,10 @@ class _Scope:
 
 def _may_share(x: torch.Tensor, saved: list[_Saved]) -> bool:
     """Some saved tensor may share x's storage: one starts inside it (which every tensor sharing it
-    does), or x is on the meta device (no addresses: then _free_gate_halves compares storages)."""
+    does), or on the meta device (no addresses) one is in the same storage. Where none does on the meta
+    device, the hooks remove themselves as on a device (invact plan's step after the first)."""
     if x.is_meta:
-        return True
+        return any(storage_id(t) == storage_id(x) for (t,) in saved)
     storage = x.untyped_storage()
     start = storage.data_ptr()
     end = start + storage.nbytes()

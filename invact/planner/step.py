@@ -88,13 +88,25 @@ class Step:
             p.grad = torch.zeros_like(p)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.patched = False
+        self.patched = self.settled = False
         # the meta ops' outputs by signature, for every step this Step follows (invact.planner.meta_outputs)
         self._outputs = MetaOutputs()
 
     def patch(self) -> None:
         invact.patch(self.model)
         self.patched = True
+        self.settled = False
+
+    def _settle(self, inputs: dict) -> None:
+        """One forward of the patched meta model, unfollowed: patch()'s gated-product hooks take
+        themselves off a module whose first call shows them of no use (invact.mlp.gated: a QLoRA MLP
+        under autocast saves no product), so a training run's steps after its first run without them,
+        and the planned step is such a step (a real Step's warm-up step does the same)."""
+        meta = values_as_on_device() if self._on_meta() else contextlib.nullcontext()
+        autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
+        with meta, standing_for(self.device), autocast, self._region(), torch.enable_grad():
+            del self.model(**inputs).loss
+        self.settled = True
 
     def _state(self) -> list[torch.Tensor]:
         return [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -190,7 +202,10 @@ class Step:
             enable_checkpointing(self.base, self.autocast.contexts if self.autocast is not None else None)
         else:
             disable_checkpointing(self.base)
-        live = self.follow(self.inputs(batch, seq))
+        inputs = self.inputs(batch, seq)
+        if self.patched and not self.settled and self._on_meta():
+            self._settle(inputs)
+        live = self.follow(inputs)
         terms = {key: live.at_peak.get(key, 0) for key in TERMS}
         terms["gradients"] = live.peak_grads
         terms["backward"] -= live.peak_grads
