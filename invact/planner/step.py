@@ -16,6 +16,7 @@ of zero gradients). Imports transformers (and peft for "lora") only when called;
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -102,11 +103,21 @@ class Step:
         themselves off a module whose first call shows them of no use (invact.mlp.gated: a QLoRA MLP
         under autocast saves no product), so a training run's steps after its first run without them,
         and the planned step is such a step (a real Step's warm-up step does the same)."""
-        meta = values_as_on_device() if self._on_meta() else contextlib.nullcontext()
-        autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
-        with meta, standing_for(self.device), autocast, self._region(), torch.enable_grad():
+        with self._modes(), self._region(), torch.enable_grad():
             del self.model(**inputs).loss
         self.settled = True
+
+    @contextlib.contextmanager
+    def _modes(self) -> Iterator[None]:
+        """What a step of this Step runs under: on the meta device the planner's modes (as on a device),
+        meta tensors standing for the device planned for, and the meta autocast of a recipe with one."""
+        with contextlib.ExitStack() as stack:
+            if self._on_meta():
+                stack.enter_context(values_as_on_device())
+            stack.enter_context(standing_for(self.device))
+            if self.autocast is not None:
+                stack.enter_context(self.autocast)
+            yield
 
     def _state(self) -> list[torch.Tensor]:
         return [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -166,9 +177,7 @@ class Step:
         if sharding is not None:
             sharding.attach(live)
         try:
-            meta = values_as_on_device() if self._on_meta() else contextlib.nullcontext()
-            autocast = self.autocast if self.autocast is not None else contextlib.nullcontext()
-            with meta, standing_for(self.device), autocast, live:
+            with self._modes(), live:
                 live.phase = "forward"
                 with self._region():
                     loss = self.model(**inputs).loss
