@@ -39,7 +39,7 @@ from invact.mlp.gated import multiply
 from invact.planner.as_on_device import tensors_in, values_as_on_device
 from invact.planner.config import build_model, load_config, parse_dtype
 from invact.planner.inputs import training_inputs
-from invact.planner.options import PlanError, one_line
+from invact.planner.options import PlanError, check_positive, one_line
 
 # kind -> label, in the order reports list them
 KINDS: dict[str, str] = {
@@ -331,9 +331,8 @@ def forward_saved(
       pixel_bytes}; vision_eager_bytes, vision_patched_bytes: the vision kinds' sum;
     - encoder_decoder: whether the model is one (its decoder's sequence is seq tokens too).
     PlanError for input it cannot take."""
-    for name, value in (("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise PlanError(f"{name} must be a positive integer, got {value!r}")
+    check_positive("batch", batch)
+    check_positive("seq", seq)
     torch_dtype = parse_dtype(dtype)
     config, path = load_config(config)
     model, attention = build_model(config, torch_dtype)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from invact.planner.as_on_device import tensors_in, values_as_on_device
-from invact.planner.options import DEFAULT_IMAGE_SIDE, PlanError, one_line
+from invact.planner.options import DEFAULT_IMAGE_SIDE, PlanError, check_positive, one_line
 
 
 def _image_family(model: nn.Module) -> str | None:
@@ -104,9 +104,8 @@ def image_inputs(model: nn.Module, batch: int, seq: int, images: int | None, ima
     (the suffix, which the loss learns). PlanError for images that cannot be built or do not fit."""
     if images is not None and (isinstance(images, bool) or not isinstance(images, int) or images < 0):
         raise PlanError(f"images must be a non-negative integer, got {images!r}")
-    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
-                                   or image_size <= 0):  # fmt: skip
-        raise PlanError(f"image size must be a positive integer, got {image_size!r}")
+    if image_size is not None:
+        check_positive("image size", image_size)
     family = _image_family(model)
     name = type(model).__name__
     if family is None:

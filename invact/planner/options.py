@@ -85,6 +85,12 @@ class PlanError(ValueError):
     build, a bad batch, seq or dtype); its message is one line."""
 
 
+def check_positive(name: str, value) -> None:
+    """PlanError, in one line naming `name`, unless `value` is a positive int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+
+
 def one_line(error: BaseException, limit: int = 240) -> str:
     """An exception's message on one line, cut at `limit` characters (transformers lists every model
     type in some messages)."""

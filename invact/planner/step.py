@@ -38,6 +38,7 @@ from invact.planner.options import (
     SEQ_MULTIPLE,
     TERMS,
     PlanError,
+    check_positive,
     parse_size,
 )
 from invact.planner.quantized import gemm_4bit_workspace, quant_state_tensors, quantize_nf4
@@ -59,8 +60,7 @@ class Step:
             raise PlanError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
         self.device = device
         self.recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-            raise PlanError(f"the LoRA rank must be a positive integer, got {rank!r}")
+        check_positive("the LoRA rank", rank)
         self.rank = rank
         if model is None:
             model, self.attention = build_model(load_config(config)[0], self.recipe.dtype)
@@ -234,12 +234,6 @@ class Step:
 VARIANTS = ((False, False), (False, True), (True, False), (True, True))  # (patched, checkpointing), in order
 
 
-def _check_positive(**values) -> None:
-    for name, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise PlanError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _by(step: Step, searched: str, batch: int | None, seq: int | None, checkpointing: bool):
     """x -> step's peak at sequence x (searched "seq") or batch x."""
     if searched == "seq":
@@ -250,7 +244,9 @@ def _by(step: Step, searched: str, batch: int | None, seq: int | None, checkpoin
 def _search(batch: int | None, seq: int | None, fits, recipes, ranks: int | None) -> tuple:
     """(the budget in bytes, None without `fits`; what is searched: "seq", "batch" or None; the batch,
     1 where the sequence is searched at none), the arguments checked: PlanError for a bad one."""
-    _check_positive(batch=batch, seq=seq, ranks=ranks)
+    for name, value in (("batch", batch), ("seq", seq), ("ranks", ranks)):
+        if value is not None:  # None: searched, or one device
+            check_positive(name, value)
     budget = None if fits is None else (parse_size(fits) if isinstance(fits, str) else fits)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise PlanError(f"the memory to fit in must be a positive number of bytes, got {fits!r}")
