@@ -73,6 +73,62 @@ def _product_node(t: torch.Tensor):
     return None
 
 
+# The autograd nodes between a gated product and the DTensor a tensor parallel down projection saves
+# (transformers' RowwiseParallel: DTensor.from_local, a redistribution to the placement it has, the
+# matmul's view), none of which changes the values
+_DTENSOR_PASSES = frozenset(("_FromTorchTensorBackward", "RedistributeBackward", "ViewBackward0",
+                             "UnsafeViewBackward0", "AliasBackward0"))  # fmt: skip
+
+
+def _dtensor_product_node(t: torch.Tensor):
+    """The multiply node of y * u (as _product_node) whose product a DTensor `t` holds as its local
+    tensor, unchanged: t's autograd node reaches it through _DTENSOR_PASSES alone (one input each),
+    and t's local tensor is dense with the product's elements (then its values are the product's in
+    the product's order, a view of it or a copy); None otherwise."""
+    node = t.grad_fn
+    for _ in range(len(_DTENSOR_PASSES) + 1):
+        if node is None or _is_mul(node):
+            break
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if node.name() not in _DTENSOR_PASSES or len(inputs) != 1:
+            return None
+        node = inputs[0]
+    if node is None or not _is_mul(node):
+        return None
+    operands = [n for n, _ in node.next_functions]
+    if None in operands or not any(type(n) in _INVACT_NODE_TYPES or n.name() in _INVACT_NODES
+                                   for n in operands):  # fmt: skip
+        return None
+    y, u = node._saved_self, node._saved_other
+    local = t._local_tensor
+    shape = torch.broadcast_shapes(y.shape, u.shape)
+    if local.numel() != shape.numel() or local.dtype != torch.result_type(y, u) or not local.is_contiguous():
+        return None
+    return node
+
+
+class _RecomputeLocal:
+    """A saved DTensor whose local tensor is a gated product (_dtensor_product_node): the product
+    recomputed from the multiply's saved operands, as a DTensor of the saved one's placement, shape and
+    strides."""
+
+    __slots__ = ("node", "local_shape", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, node, t: torch.Tensor) -> None:
+        self.node, self.local_shape = node, t._local_tensor.shape
+        self.mesh, self.placements, self.shape, self.stride = t.device_mesh, t.placements, t.shape, t.stride()
+
+    def tensor(self) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        h = (self.node._saved_self * self.node._saved_other).contiguous().view(self.local_shape)
+        return DTensor.from_local(h, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)  # fmt: skip
+
+    def __getitem__(self, _):  # the unpack hook's item getter (see _Saved)
+        return self.tensor()
+
+
 class _Recompute:
     """A saved tensor that is (a view of) y * u: recomputed from the multiply's saved operands."""
 
@@ -253,6 +309,11 @@ class _Scope:
             if node is not None:
                 self.products += 1
                 return _Recompute(node, t)
+        elif node is not None and hasattr(t, "_local_tensor"):  # a DTensor: tensor parallel's down projection
+            node = _dtensor_product_node(t)
+            if node is not None:
+                self.products += 1
+                return _RecomputeLocal(node, t)
         saved = [t]
         self.saved.append(saved)
         return saved

@@ -10,7 +10,9 @@ each result in OUT_DIR/<case>_rank<r>.pt):
   in one chunk and in many: the relative error of the loss and each gradient, per case;
 - "hf": transformers' tensor parallelism (from_pretrained with DistributedConfig(tp_plan="auto"): the
   Llama's colwise/rowwise projections and its "colwise_gather_output" head) of a tiny Llama saved by rank
-  0, eager and after invact.patch(): STEPS AdamW steps with labels (_steps);
+  0, eager and after invact.patch(): STEPS AdamW steps with labels (_steps); and the bytes a patched
+  forward saves with the gated products behind the row-parallel down projections' DTensors recomputed
+  and not (_products);
 - "native": the native Llama of benchmarks/native_models.py (torchtitan's module structure) parallelized as
   torchtitan does without sequence parallel (parallelize_module: ColwiseParallel wq/wk/wv, w1/w3 and the
   head, RowwiseParallel wo, w2 and the embeddings), eager with the loop's F.cross_entropy on the gathered
@@ -221,7 +223,39 @@ def _hf(rank: int, out_dir: Path) -> dict:
     invact.patch(model)
     result["reference"] = _reference(model, lambda m: m(input_ids=ids, labels=ids).loss)
     result["hooked"] = _hooked_head(folder)
+    result["products"] = _products(folder, ids)
     return result
+
+
+def _products(folder: Path, ids: torch.Tensor) -> dict:
+    """The bytes one patched forward saves (invact.memory.count_saved) under transformers' TP, with the
+    gated products behind the down projections' DTensors recomputed ("recomputed", patch()'s) and with
+    that recognition turned off ("kept": invact.mlp.gated._dtensor_product_node answering None)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import invact
+    from invact.mlp import gated
+
+    out, found = {}, gated._dtensor_product_node
+    for variant in ("recomputed", "kept"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
+            ).train()
+        invact.patch(model)
+        if variant == "kept":
+            gated._dtensor_product_node = lambda t: None
+        try:
+            with invact.memory.count_saved(model) as counted:
+                del model(input_ids=ids, labels=ids).loss
+        finally:
+            gated._dtensor_product_node = found
+        out[variant] = counted.report.saved_bytes
+    return out
 
 
 def _hooked_head(folder: Path) -> dict:

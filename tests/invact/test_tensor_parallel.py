@@ -137,6 +137,17 @@ def test_no_logits_saved_and_each_ranks_peak_below_eager(tp_results, case):
         assert patched["peak"] < eager["peak"], (rank, patched["peak"], eager["peak"])
 
 
+def test_the_gated_products_behind_row_parallel_dtensors_are_not_saved(tp_results):
+    """Under transformers' TP the down projection saves a DTensor made from the MLP's product act(g) * u
+    (its rank's columns): patch() recomputes it in backward as on one device. Recognised, the forward
+    saves exactly one product less per layer, each this rank's (BATCH, SEQ, INTERMEDIATE / world) fp32."""
+    world = tp_results[0]
+    product = BATCH * SEQ * (INTERMEDIATE // world) * 4
+    for rank, r in enumerate(_ranks(tp_results, "hf")):
+        saved = r["products"]
+        assert saved["kept"] - saved["recomputed"] == LAYERS * product, (rank, saved)
+
+
 def test_transformers_tp_head_is_taken_over_the_shards(tp_results):
     for r in _ranks(tp_results, "hf"):
         kind, replace, reason = r["patched"]["plan"]["lm_head"]
