@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from invact._generated import norms as _spec
+from invact._meta import stands_for
 from invact._traced import trace_as
 from invact.activation import _numba as _activation_numba
 from invact.activation.ops import _backend_env_set, backend_for, direct_backward
@@ -299,7 +300,9 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
     rstd_c = _rows(rstd.to(cd))
     w_eff = _w_eff(weight, v, cd)
     fused = kernels and (
-        _triton_backend(kept) or kept.is_cpu and kept.numel() >= NUMBA_MIN_ELEMENTS and _numba_available()
+        _triton_backend(kept)
+        or (kept.is_cpu and kept.numel() >= NUMBA_MIN_ELEMENTS and _numba_available())
+        or _kernel_planned(kept)
     )
     if not from_x and cd == torch.float32 and fused:
         dx, dw, db = _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v)
@@ -328,9 +331,40 @@ def backward(dy, kept, mean, rstd, weight, bias, v: Variant, from_x: bool, needs
     return _cast_grads(dx, dw, db, dy, weight, bias, needs)
 
 
+def _kernel_planned(kept: torch.Tensor) -> bool:
+    """A meta tensor standing for a device whose backward runs a one-pass kernel (invact plan): Triton's
+    on CUDA (whether or not triton is installed here: the plan is the kernel's bytes), numba's on a CPU
+    where it is installed and the rows hold as many elements as its rule takes."""
+    if not kept.is_meta:
+        return False
+    device = stands_for()
+    return device == "cuda" or (device == "cpu" and kept.numel() >= NUMBA_MIN_ELEMENTS and _numba_available())
+
+
+def _fused_meta(dy, kept, residual):
+    """_fused_backward's outputs on the meta device, as each kernel allocates them: Triton's dx in dy's
+    dtype, its per-program partial sums (fp32, ROWS_PER_PROGRAM = 8 rows a program) and their two sums;
+    numba's dx in dy's dtype where that is bf16 (else fp32) and its sums in fp64. A residual of another
+    dtype than bf16 is decoded into y first, as on the device."""
+    y = _rows(kept if residual is None or kept.dtype == torch.bfloat16 else decode_residual(kept, residual))
+    rows, d = y.shape
+    g = _rows(dy)
+    if stands_for() == "cuda":
+        dx = torch.empty_like(g)
+        sums = torch.empty(-(-rows // 8), 2, d, dtype=torch.float32, device=dy.device).sum(0)
+        return dx, sums[0].clone(), sums[1].clone()
+    dtype = dy.dtype if dy.dtype == torch.bfloat16 else torch.float32
+    dx = torch.empty(rows, d, dtype=dtype, device=dy.device)
+    sums = torch.empty(2, d, dtype=torch.float64, device=dy.device)
+    return dx, sums[0].clone(), sums[1].clone()
+
+
 def _fused_backward(dy, kept, residual, weight, bias, w_eff, rstd_c, v: Variant):
     """backward's one-pass kernels on y: Triton (CUDA, or INVACT_BACKEND=triton), which decodes bf16
-    residuals itself, else numba on CPU. (dx, sum of dy h, sum of dy) over rows."""
+    residuals itself, else numba on CPU; on the meta device their outputs (_fused_meta). (dx, sum of
+    dy h, sum of dy) over rows."""
+    if kept.is_meta:
+        return _fused_meta(dy, kept, residual)
     if _triton_backend(kept):
         from invact.norm import _triton as _norm_triton
 

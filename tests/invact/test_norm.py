@@ -531,3 +531,41 @@ def test_cpu_kernel_decodes_residuals_in_its_pass(rows):
         gd = dy.double() * w.double()
         terms = gd.abs() + gd.abs().mean(-1, keepdim=True) + h.abs() * (gd * h).abs().mean(-1, keepdim=True)
         assert ((dx.double() - dx0.double()).abs() <= 2 * (4 + d) * U32 * rstd.double() * terms).all()
+
+
+@pytest.mark.parametrize("device, dx_dtype", [
+    ("cuda", torch.bfloat16),  # Triton's kernel: dx in dy's dtype (its sums fp32, (d,))
+    ("cpu", torch.bfloat16),  # numba's: dx in bf16 where dy is (its sums fp64, (d,))
+])  # fmt: skip
+def test_a_planned_backward_allocates_what_the_kernel_allocates(device, dx_dtype):
+    """On the meta device (invact plan) the one-pass backward of a norm that kept y allocates its
+    kernel's outputs, not the torch formula's fp32 copies of (rows, d) (a plan of a patched step's
+    backward was that much over a real one, where the kernel runs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from invact._meta import standing_for
+
+    class Allocated(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.big = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not func.is_view and out.numel() >= rows * d:
+                self.big.append((str(func), out.dtype))
+            return out
+
+    rows, d = 512, 64
+    if device == "cpu" and not norm_op._numba_available():
+        pytest.skip("numba's kernel is not installed: a CPU plan runs the torch formula")
+    y = torch.empty(rows, d, dtype=torch.bfloat16, device="meta")
+    dy = torch.empty_like(y)
+    rstd = torch.empty(rows, 1, device="meta")
+    weight = torch.empty(d, dtype=torch.bfloat16, device="meta")
+    with standing_for(device), Allocated() as seen:
+        dx, dw, _ = norm_op.backward(dy, y, None, rstd, weight, None, VARIANTS["rms"], False,
+                                     (True, True, False))  # fmt: skip
+    assert seen.big == [("aten.empty.memory_format" if device == "cpu" else "aten.empty_like.default",
+                         dx_dtype)], seen.big  # fmt: skip
+    assert dx.shape == (rows, d) and dw.shape == (d,)
