@@ -95,10 +95,16 @@ ARCHITECTURES: dict[str, dict] = {
         "n_positions": 1024,
     },  # fmt: skip
 }
+# Tensor parallel shards the heads over the ranks: 8 query and 4 key/value heads, whole heads on 2 and 4 ranks
+for _name in ("llama", "qwen3"):
+    ARCHITECTURES[f"{_name}-tp"] = {**ARCHITECTURES[_name], "num_attention_heads": 8,
+                                    "num_key_value_heads": 4}  # fmt: skip
 # seq 512: activations most of the peak; seq 128: FSDP2's own buffers and the shards a larger part of it;
 # with Hugging Face's gradient checkpointing at seq 512 (its recompute runs FSDP2's hooks again)
 MATRIX = dict(architectures=("llama", "qwen3", "gpt2"), ranks=(2, 4), patched=(False, True), batch=1,
               shapes=((512, False), (128, False), (512, True)))  # fmt: skip
+# --tp --matrix: the same shapes under transformers' tp_plan (GPT-2 has none), results/tp_peaks_cpu.json
+TP_MATRIX = {**MATRIX, "architectures": ("llama-tp", "qwen3-tp")}
 
 
 # -- the worker: one rank ---------------------------------------------------------------------------------
@@ -215,16 +221,67 @@ def _live_class():
     return FSDPLiveBytes
 
 
+def build_tensor_parallel(config, patched: bool, folder: Path, rank: int):
+    """build()'s model (unpatched) saved by rank 0 into `folder`, then loaded by every rank as transformers
+    shards it for tensor parallelism: from_pretrained(folder, distributed_config=DistributedConfig(
+    tp_plan="auto")) over every rank (the model's tp_plan: its projections' DTensor shards and forwards),
+    in bf16, then patched with `patched`. Returns build()'s four."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import invact
+    from invact.planner.config import build_model, load_config
+
+    meta, attention = build_model(load_config(config)[0], torch.bfloat16)  # build()'s class and attention
+    cls = type(meta).__name__
+    del meta
+    if rank == 0:
+        model = build(config, False)[0]
+        model.save_pretrained(folder)
+        del model
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on loading
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.bfloat16,
+            attn_implementation=attention,
+        ).train()  # fmt: skip
+    if type(model).__name__ != cls:
+        raise RuntimeError(f"from_pretrained built {type(model).__name__}, not {cls}")
+    # A shard of rows transformers loads on the CPU is a view of the whole checkpoint tensor
+    # (distributed/sharding_utils.py: source[slices].to(device), a no-op on the CPU), keeping the whole
+    # storage alive; on a GPU `.to` copies the slice alone. Each such shard copied out, as a GPU holds it.
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", None)
+        if local is not None and local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            p._local_tensor = local.clone()
+    names = invact.patch(model) if patched else []
+    if patched and not names:
+        raise RuntimeError(f"invact.patch({cls}) patched nothing")
+    return model, cls, attention, names
+
+
 def measure(spec: dict, rank: int) -> dict:
     import torch
 
-    model, cls, attention, names = build(spec["config"], spec["patched"])
+    if spec.get("tp"):
+        model, cls, attention, names = build_tensor_parallel(
+            spec["config"], spec["patched"], Path(spec["folder"]), rank
+        )
+    else:
+        model, cls, attention, names = build(spec["config"], spec["patched"])
     if spec.get("checkpointing"):  # Hugging Face's, as the planner's checkpointing rows (invact.planner.step)
         from invact.planner.recipes import enable_checkpointing
 
         enable_checkpointing(model)
-    units = shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    units = shard(model) if not spec.get("tp") else ["tp_plan", f"x{spec['ranks']}"]
+    # AdamW's foreach refuses tensor parallel's mix of DTensor and plain parameters ("got mixed
+    # torch.Tensor and DTensor"): its for-loop there, as the planner's --tp (invact.planner.step)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=not spec.get("tp"))
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(1 + rank)
     ids = torch.randint(0, vocab, (spec["batch"], spec["seq"]), generator=generator)
@@ -370,7 +427,7 @@ def _last_line(text: str) -> str:
 
 
 def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float = WAIT_S,
-        profile: bool = True, checkpointing: bool = False) -> dict:  # fmt: skip
+        profile: bool = True, checkpointing: bool = False, tp: bool = False) -> dict:  # fmt: skip
     """One measurement: `ranks` processes; the gathered result (RunError where a rank failed)."""
     import torch
     import transformers
@@ -387,7 +444,8 @@ def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float =
     with tempfile.TemporaryDirectory(prefix="fsdp_peaks_") as tmp:
         out = Path(tmp)
         spec = {"config": config, "batch": batch, "seq": seq, "patched": patched, "profile": profile,
-                "checkpointing": checkpointing}  # fmt: skip
+                "checkpointing": checkpointing, "tp": tp, "ranks": ranks,
+                "folder": str(out / "model")}  # fmt: skip
         (out / "spec.json").write_text(json.dumps(spec))
         if str(REPO) not in sys.path:
             sys.path.insert(0, str(REPO))
@@ -419,6 +477,7 @@ def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float =
         "seq": seq,
         "patched": patched,
         "checkpointing": checkpointing,
+        "parallel": "tp" if tp else "fsdp",
         "dtype": DTYPE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -451,10 +510,14 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="rows per rank")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--patched", action="store_true", help="invact.patch(model) before sharding")
+    parser.add_argument("--tp", action="store_true",
+                        help="tensor parallel (transformers' tp_plan) in place of FSDP2")  # fmt: skip
     parser.add_argument("--checkpointing", action="store_true",
                         help="Hugging Face's gradient checkpointing on each decoder layer")  # fmt: skip
     parser.add_argument("--out", type=Path, help="where to write the JSON")
-    parser.add_argument("--matrix", action="store_true", help="run MATRIX into results/fsdp_peaks_cpu.json")
+    parser.add_argument("--matrix", action="store_true",
+                        help="run MATRIX into results/fsdp_peaks_cpu.json (--tp: TP_MATRIX into "
+                             "results/tp_peaks_cpu.json)")  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=WAIT_S, help="the launcher's wait per measurement (s)"
     )
@@ -469,33 +532,35 @@ def main(argv=None) -> int:
         from timing import write_result
 
         t0, runs, failed = time.perf_counter(), [], 0
-        cases = [(name, ranks, patched, seq, ckpt) for seq, ckpt in MATRIX["shapes"]
-                 for name in MATRIX["architectures"] for ranks in MATRIX["ranks"]
-                 for patched in MATRIX["patched"]]  # fmt: skip
+        matrix, kind = (TP_MATRIX, "tp") if args.tp else (MATRIX, "fsdp")
+        cases = [(name, ranks, patched, seq, ckpt) for seq, ckpt in matrix["shapes"]
+                 for name in matrix["architectures"] for ranks in matrix["ranks"]
+                 for patched in matrix["patched"]]  # fmt: skip
         for name, ranks, patched, seq, ckpt in cases:
             try:
-                result = run(name, ranks, MATRIX["batch"], seq, patched, args.timeout, args.profile, ckpt)
+                result = run(name, ranks, matrix["batch"], seq, patched, args.timeout, args.profile, ckpt,
+                             args.tp)  # fmt: skip
                 print(summary(result), flush=True)
             except RunError as e:
                 failed += 1
                 line = str(e).splitlines()[0]
                 print(f"{name} ranks {ranks} patched {patched}: FAILED: {line}", flush=True)
                 result = {"config": {"name": name, **ARCHITECTURES[name]}, "ranks": ranks,
-                          "batch": MATRIX["batch"], "seq": seq, "patched": patched,
-                          "checkpointing": ckpt, "error": line}  # fmt: skip
+                          "batch": matrix["batch"], "seq": seq, "patched": patched,
+                          "checkpointing": ckpt, "parallel": kind, "error": line}  # fmt: skip
             runs.append(result)
         seconds = round(time.perf_counter() - t0, 1)
         print(f"matrix: {len(runs)} runs in {seconds} s")
-        out = args.out or HERE / "results" / "fsdp_peaks_cpu.json"
-        write_result({"benchmark": "fsdp_peaks", "matrix": {k: list(v) if isinstance(v, tuple) else v
-                                                            for k, v in MATRIX.items()},
-                      "seconds": seconds, "runs": runs}, "fsdp_peaks", "cpu", out=out)  # fmt: skip
+        out = args.out or HERE / "results" / f"{kind}_peaks_cpu.json"
+        write_result({"benchmark": f"{kind}_peaks", "matrix": {k: list(v) if isinstance(v, tuple) else v
+                                                               for k, v in matrix.items()},
+                      "seconds": seconds, "runs": runs}, f"{kind}_peaks", "cpu", out=out)  # fmt: skip
         return 1 if failed else 0
     if not args.config:
         parser.error("--config (or --matrix) is required")
     try:
         result = run(args.config, args.ranks, args.batch, args.seq, args.patched, args.timeout, args.profile,
-                     args.checkpointing)  # fmt: skip
+                     args.checkpointing, args.tp)  # fmt: skip
     except RunError as e:
         print(f"FAILED: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

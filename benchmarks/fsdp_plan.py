@@ -1,11 +1,16 @@
-"""The per-GPU planner (invact.planner.step with `ranks`, invact.planner.sharding) against real FSDP2
-steps: for every run in results/fsdp_peaks_cpu.json (benchmarks/fsdp_peaks.py: fully_shard on each
-decoder layer and the root, gloo on the CPU, the bf16 recipe, 2 and 4 ranks, eager and patch()), the peak
-`invact plan --gpus N --fsdp --device cpu` predicts for one rank, beside the largest rank's measured
-peak. Writes results/fsdp_plan_cpu.json and .md (the table docs/patching.md shows).
+"""The per-GPU planner (invact.planner.step with `ranks`, invact.planner.sharding; with `tp`,
+invact.planner.tensor_parallel) against real sharded steps: for every run in results/fsdp_peaks_cpu.json
+(benchmarks/fsdp_peaks.py: fully_shard on each decoder layer and the root, gloo on the CPU, the bf16
+recipe, 2 and 4 ranks, eager and patch()), the peak `invact plan --gpus N --fsdp --device cpu` predicts
+for one rank, beside the largest rank's measured peak; for every run in results/tp_peaks_cpu.json
+(fsdp_peaks.py --tp: transformers' tp_plan), the peak `invact plan --tp N --device cpu` predicts. Writes
+results/fsdp_plan_cpu.json and .md, or with --tp results/tp_plan_cpu.json and .md (the tables
+docs/patching.md shows).
 
-    python benchmarks/fsdp_peaks.py --matrix   # the real steps (about 5 minutes on 2 cores)
-    python benchmarks/fsdp_plan.py             # the predictions beside them (seconds)
+    python benchmarks/fsdp_peaks.py --matrix         # the real FSDP2 steps (about 5 minutes on 2 cores)
+    python benchmarks/fsdp_plan.py                   # the predictions beside them (seconds)
+    python benchmarks/fsdp_peaks.py --tp --matrix    # the real tensor parallel steps
+    python benchmarks/fsdp_plan.py --tp
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ MIB = 2**20
 
 
 def predict(run: dict) -> dict:
-    """The planner's peak for one rank of `run` (a fsdp_peaks row): the same config, recipe bf16, ranks,
-    batch and seq per rank, eager or patch(), planned for a CPU (the measured steps' device)."""
+    """The planner's peak for one rank of `run` (a fsdp_peaks row): the same config, recipe bf16, ranks
+    (FSDP2's, or tensor parallel's where the run's "parallel" is "tp"), batch and seq per rank, eager or
+    patch(), planned for a CPU (the measured steps' device)."""
     import torch
 
     from invact.planner.config import build_model, load_config
@@ -31,7 +37,9 @@ def predict(run: dict) -> dict:
 
     config = load_config({k: v for k, v in run["config"].items() if k != "name"})[0]
     model, _ = build_model(config, torch.bfloat16)
-    step = Step(None, "bf16", model=model, device="cpu", ranks=run["ranks"])
+    tp = run.get("parallel") == "tp"
+    step = Step(None, "bf16", model=model, device="cpu", ranks=None if tp else run["ranks"],
+                tp=run["ranks"] if tp else None)  # fmt: skip
     if run["patched"]:
         step.patch()
     return step.peak(run["batch"], run["seq"], checkpointing=run.get("checkpointing", False))
@@ -52,7 +60,8 @@ def compare(peaks: dict) -> dict:
                      "phase": plan["phase"], "measured_phase": run["per_rank"][0]["phase"],
                      "plan_seconds": round(time.perf_counter() - start, 2)})  # fmt: skip
     first = peaks["runs"][0]
-    return {"benchmark": "fsdp_plan", "machine": first["machine"], "torch": first["torch"],
+    kind = "tp" if first.get("parallel") == "tp" else "fsdp"
+    return {"benchmark": f"{kind}_plan", "machine": first["machine"], "torch": first["torch"],
             "transformers": first["transformers"], "rows": rows}  # fmt: skip
 
 
@@ -72,9 +81,13 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peaks", type=Path, default=RESULTS / "fsdp_peaks_cpu.json")
-    parser.add_argument("--out", type=Path, default=RESULTS / "fsdp_plan_cpu.json")
+    parser.add_argument("--tp", action="store_true", help="tensor parallel: results/tp_peaks_cpu.json")
+    parser.add_argument("--peaks", type=Path, help="default results/fsdp_peaks_cpu.json (--tp: tp_peaks)")
+    parser.add_argument("--out", type=Path, help="default results/fsdp_plan_cpu.json (--tp: tp_plan)")
     args = parser.parse_args(argv)
+    kind = "tp" if args.tp else "fsdp"
+    args.peaks = args.peaks or RESULTS / f"{kind}_peaks_cpu.json"
+    args.out = args.out or RESULTS / f"{kind}_plan_cpu.json"
     sys.path.insert(0, str(HERE))
     import transformers
 
@@ -83,7 +96,7 @@ def main(argv=None) -> int:
     transformers.utils.logging.set_verbosity_error()
     result = compare(json.loads(args.peaks.read_text()))
     print(table(result))
-    write_result(result, "fsdp_plan", "cpu", out=args.out)
+    write_result(result, result["benchmark"], "cpu", out=args.out)
     args.out.with_suffix(".md").write_text(table(result) + "\n")
     return 0
 

@@ -40,7 +40,7 @@ _SIDE = DEFAULT_IMAGE_SIDE  # short, for the help texts' lines
 
 # The options that take a value: a value that looks negative ("--fits -5GiB") is taken as theirs and
 # refused by their check with the reason, not by argparse as a missing value.
-_VALUED = ("--batch", "--seq", "--dtype", "--images", "--image-size", "--fits", "--rank", "--gpus")
+_VALUED = ("--batch", "--seq", "--dtype", "--images", "--image-size", "--fits", "--rank", "--gpus", "--tp")
 
 _SUMMARY = (
     "what training a Hugging Face model saves for backward, eager and after invact.patch(), from its "
@@ -54,6 +54,7 @@ examples:
   invact plan config.json --fits 24GiB             how long a sequence fits in 24 GiB (at batch 1)
   invact plan config.json --fits 80GiB --seq 4096  how large a batch of 4096 tokens fits in 80 GiB
   invact plan config.json --fits 80GiB --gpus 8 --fsdp   the same per GPU of 8 with FSDP2
+  invact plan config.json --fits 80GiB --tp 4      the same per GPU of 4 with tensor parallelism
   invact plan --help                               every option, and what the figures are"""
 
 _PLAN_DESCRIPTION = """\
@@ -139,6 +140,15 @@ and its all-gather and reduce-scatter buffers (--explain's "FSDP2" term), at --b
 --fits answers the longest sequence per GPU. Checked against real FSDP2 steps over gloo on a CPU:
 benchmarks/fsdp_plan.py. Other engines (DDP, DeepSpeed) and wrappings are not planned.
 
+Tensor parallel (--tp N): the peak on each of N GPUs that share one batch under transformers' tensor
+parallelism (from_pretrained with DistributedConfig(tp_plan="auto"): the model's tp_plan): each GPU
+its shard of the projections the plan splits (heads, MLP features, the vocabulary of the embeddings and
+the head) and of their gradients and AdamW state (AdamW's for-loop: its foreach refuses the mix of
+DTensor and plain parameters), its heads' activations, the all-reduces' and the head's all-gather
+buffers, the eager loss on the gathered logits and patch()'s over the vocabulary's shards. With
+--gpus M --fsdp as well: FSDP2 over the M / N data parallel groups. Recipes bf16 and mixed. Checked
+against real steps over gloo on a CPU: benchmarks/fsdp_plan.py --tp.
+
 A --seq past the config's max_position_embeddings (or n_positions) is planned as given, with one
 warning line on stderr: the model has no positions there.
 
@@ -146,7 +156,9 @@ Exit status: 0, or 2 with one line on stderr for bad input: no such file, invali
 without a model_type or that transformers cannot build, a model whose forward cannot run on the meta
 device, a non-positive batch or seq, an unknown dtype, --fits that is not a positive size, --fits
 with both --batch and --seq, --images for a model without a vision tower, images whose tokens do not
-fit in seq, an image size the tower does not take, --gpus without --fsdp or --fsdp without --gpus.
+fit in seq, an image size the tower does not take, --gpus without --fsdp or --fsdp without --gpus,
+--tp with a LoRA recipe, --gpus not a multiple of --tp, a model without a tp_plan or whose heads --tp
+does not divide.
 The file is checked first, and all but the last few before torch and transformers load."""
 
 
@@ -319,11 +331,10 @@ def _step_arguments(plan: argparse.ArgumentParser) -> None:
         "--recipe",
         nargs="+",
         choices=[*RECIPE_LABELS, "all"],
-        default=list(DEFAULT_RECIPES),
         metavar="R",
         help="the recipes: "
         + "; ".join(f"{name}: {label}" for name, label in RECIPE_LABELS.items())
-        + f"; all: every one (default: {' '.join(DEFAULT_RECIPES)})",
+        + f"; all: every one (default: {' '.join(DEFAULT_RECIPES)}; with --tp: bf16)",
     )
     step.add_argument(
         "--rank",
@@ -345,6 +356,13 @@ def _step_arguments(plan: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --gpus: FSDP2 as torchtitan, accelerate and TRL wrap a model (fully_shard on each "
         "decoder layer, then the root; parameters resharded after each layer's forward)",
+    )
+    step.add_argument(
+        "--tp",
+        type=_positive,
+        metavar="N",
+        help="plan each of N GPUs that train the model with transformers' tensor parallelism (its "
+        "tp_plan), all N on one batch of --batch x --seq (with --gpus M --fsdp: FSDP2 over M / N groups)",
     )
     step.add_argument(
         "--device",
@@ -381,6 +399,15 @@ def _check_config(path: str) -> None:
 def _check_arguments(args) -> None:
     """What the arguments ask, checked before anything loads (after the config file): each refusal one
     line, exit status 2."""
+    if args.recipe is None:  # the default: bf16 alone under --tp, which plans no LoRA recipe
+        args.recipe = ["bf16"] if args.tp is not None else list(DEFAULT_RECIPES)
+    if args.tp is not None:
+        lora = [r for r in args.recipe if r in ("lora", "qlora", "all")]
+        if lora:
+            _fail(PROG, f"--tp plans the full recipes (bf16, mixed): --recipe {lora[0]} under tensor "
+                        "parallelism is not planned")  # fmt: skip
+        if args.gpus is not None and args.gpus % args.tp:
+            _fail(PROG, f"--gpus {args.gpus} does not split into tensor parallel groups of --tp {args.tp}")
     if args.fsdp and args.gpus is None:
         _fail(PROG, "--fsdp plans FSDP2 over several GPUs: give --gpus N")
     if args.gpus is not None and not args.fsdp:
@@ -388,7 +415,7 @@ def _check_arguments(args) -> None:
                     "planned per GPU)")  # fmt: skip
     if args.gpus is not None and "qlora" in args.recipe:
         _fail(PROG, "--recipe qlora plans one GPU: FSDP2 over a 4-bit base (FSDP-QLoRA) is not planned")
-    if not (args.fits is not None or args.step or args.explain or args.gpus):
+    if not (args.fits is not None or args.step or args.explain or args.gpus or args.tp):
         for name in ("batch", "seq"):
             if getattr(args, name) is None:
                 _fail(PROG, f"the following argument is required: --{name} (or --fits)")
@@ -396,9 +423,9 @@ def _check_arguments(args) -> None:
             _fail(PROG, f"unknown dtype {args.dtype!r} (choose from {', '.join(DTYPE_NAMES)})")
         return
     if args.dtype.lower().removeprefix("torch.") not in ("bfloat16", "bf16"):
-        _fail(PROG, "--step, --explain, --fits and --gpus plan bf16 recipes: leave --dtype at bfloat16")
+        _fail(PROG, "--step, --explain, --fits, --gpus and --tp plan bf16 recipes: leave --dtype at bfloat16")
     if args.fits is None and (args.batch is None or args.seq is None):
-        _fail(PROG, "--step, --explain and --gpus need --batch and --seq (or --fits)")
+        _fail(PROG, "--step, --explain, --gpus and --tp need --batch and --seq (or --fits)")
     if args.fits is not None and args.batch is not None and args.seq is not None:
         _fail(PROG, "--fits searches the longest sequence at --batch or the largest batch at --seq: give one "
                     "of them, not both (--step plans the peak at --batch and --seq)")  # fmt: skip
@@ -452,7 +479,7 @@ def _plan(args) -> int:
     from invact.planner.forward import forward_saved
 
     _warn_past_positions(args.config, args.seq)
-    if args.fits is not None or args.step or args.explain or args.gpus:
+    if args.fits is not None or args.step or args.explain or args.gpus or args.tp:
         return _plan_step(args)
     try:
         result = forward_saved(args.config, args.batch, args.seq, args.dtype, gated=args.gated,
@@ -475,7 +502,7 @@ def _plan_step(args) -> int:
     try:
         result = step_peaks(args.config, args.batch, args.seq, recipes=recipes,
                            rank=args.rank, fits=args.fits, device=args.device, images=args.images,
-                           image_size=args.image_size, ranks=args.gpus)  # fmt: skip
+                           image_size=args.image_size, ranks=args.gpus, tp=args.tp)  # fmt: skip
     except PlanError as e:
         _fail(PROG, str(e))
     print(json.dumps(result, indent=2) if args.json else format_step(result, explain=args.explain))

@@ -469,7 +469,7 @@ def linear_cross_entropy(
     ignore_index = -100 if ignore_index is None else ignore_index
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (in_features)")
-    if parallel.is_dtensor(linear_weight):
+    if parallel.is_dtensor(linear_weight) or parallel.planned(linear_weight) is not None:
         return _sharded(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                         float(label_smoothing), tuple(ops))  # fmt: skip
     if target.is_floating_point() or (reduction == "none" or weight is not None) and _compiling():
@@ -536,7 +536,7 @@ def _loss(hidden, weight, bias, target, ops: tuple, ignore_index: int, label_smo
     """linear_cross_entropy on arguments it has checked: hidden (rows, in), target (rows,), reduction
     "mean" where `mean`, else "sum"; `compiling`: torch.compiler.is_compiling() (then `cw`, the class
     weights, is None)."""
-    if parallel.is_dtensor(weight):  # a tensor parallel head (its loss from a patched model's head)
+    if parallel.is_dtensor(weight) or parallel.planned(weight) is not None:  # a tensor parallel head
         reduction = "mean" if mean else "sum"
         return _sharded(hidden, weight, target, bias, cw, reduction, ignore_index, label_smoothing,
                         ops)  # fmt: skip

@@ -27,6 +27,7 @@ gradient, in the forward: every rank calls the loss at the same point, as any TP
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -41,7 +42,32 @@ class VocabShard(NamedTuple):
     start: int  # the first vocabulary row this rank holds
     vocab: int  # the whole vocabulary
     widest: int  # the most rows any rank holds: the chunks are sized from it, alike on every rank
-    group: object  # the mesh's process group (torch.distributed.ProcessGroup)
+    group: object  # the mesh's process group (torch.distributed.ProcessGroup); None: planned (below)
+
+
+# The ranks a meta head stands for one of, while invact.planner plans a tensor parallel rank (`planning`;
+# a list as invact._meta's, which torch.compile reads where it cannot read a ContextVar)
+_PLANNED: list[int] = []
+
+
+@contextlib.contextmanager
+def planning(ranks: int):
+    """Inside: a head weight on the meta device is the widest rank's shard of a vocabulary-parallel head
+    over `ranks` ranks (invact.planner.tensor_parallel's rank), and its loss runs this module's path with no
+    process group: each collective's output allocated (meta), nothing sent."""
+    _PLANNED.append(ranks)
+    try:
+        yield
+    finally:
+        _PLANNED.pop()
+
+
+def planned(weight) -> VocabShard | None:
+    """The shard a meta head's weight stands for inside `planning` (the first rank's: the widest), else
+    None."""
+    if not _PLANNED or weight is None or not weight.is_meta or is_dtensor(weight):
+        return None
+    return VocabShard(0, weight.shape[0] * _PLANNED[-1], weight.shape[0], None)
 
 
 def is_dtensor(t) -> bool:
@@ -59,7 +85,11 @@ def local(hidden, weight, bias, target, cw):
     for a head whose weight is a DTensor: hidden states, targets and class weights whole on every rank
     (a DTensor of them gathered: a sequence-parallel norm's output); the weight and bias this rank's
     shard of the vocabulary, with the shard's place (None where the weight is replicated: then the plain
-    loss on the local copy). ValueError where the weight is sharded otherwise."""
+    loss on the local copy). ValueError where the weight is sharded otherwise. A meta weight inside
+    `planning`: itself, with the shard it stands for."""
+    shard = planned(weight)
+    if shard is not None:
+        return hidden, weight, bias, target, cw, shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -105,8 +135,11 @@ def rows(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw, shard: Vocab
     top = zt.amax(dim=1, keepdim=True)
     sums = zt.sub_(top).exp_().sum(dim=1, keepdim=True)  # exp(z - max) in place, as _rows_pass
     parts[0] = (top + sums.log()).squeeze(1)
-    every = [torch.empty_like(parts) for _ in range(dist.get_world_size(shard.group))]
-    dist.all_gather(every, parts, group=shard.group)
+    if shard.group is None:  # planned on meta: the all-gather's outputs
+        every = [torch.empty_like(parts) for _ in range(-(-shard.vocab // shard.widest))]
+    else:
+        every = [torch.empty_like(parts) for _ in range(dist.get_world_size(shard.group))]
+        dist.all_gather(every, parts, group=shard.group)
     every = torch.stack(every)
     lse = torch.logsumexp(every[:, 0], dim=0)
     picked, total = every[:, 1].sum(0), every[:, 2].sum(0)
@@ -118,8 +151,9 @@ def rows(z, t, scale, ops: tuple, smoothing: float, grad: bool, cw, shard: Vocab
 
 
 def reduce_hidden_gradient(dh: torch.Tensor, shard: VocabShard) -> None:
-    """d h summed over the ranks' shards, in place (each rank's part is its shard's)."""
-    dist.all_reduce(dh, group=shard.group)
+    """d h summed over the ranks' shards, in place (each rank's part is its shard's); planned: nothing."""
+    if shard.group is not None:
+        dist.all_reduce(dh, group=shard.group)
 
 
 def logits(hidden, weight, bias) -> torch.Tensor:

@@ -139,8 +139,15 @@ def _step_heading(result: dict) -> list[str]:
     searched = result["searched"]
     source = result["config"] or "a config"
     lines = [f"invact plan: {result['model_class']} from {source}"]
-    ranks = result.get("ranks")
-    if ranks:
+    ranks, tp = result.get("ranks"), result.get("tp")
+    if tp:
+        groups = f", FSDP2 over {ranks // tp} such groups" if ranks and ranks > tp else ""
+        lines += textwrap.wrap(
+            f"per GPU of {tp} training with transformers' tensor parallelism (its tp_plan), all {tp} on the "
+            f"batch and sequence below{groups}",
+            width=100,
+        )
+    elif ranks:
         lines += textwrap.wrap(
             f"per GPU of {ranks} training with FSDP2 (fully_shard on each decoder layer, then the root), "
             "each with the batch and sequence below",

@@ -24,6 +24,7 @@ from torch.autograd.graph import _engine_run_backward
 
 import invact
 from invact._meta import standing_for
+from invact.loss.parallel import planning
 from invact.planner.as_on_device import tensors_in, values_as_on_device
 from invact.planner.autocast import Autocast
 from invact.planner.config import build_model, load_config, positions
@@ -44,6 +45,7 @@ from invact.planner.options import (
 from invact.planner.quantized import gemm_4bit_workspace, quant_state_tensors, quantize_nf4
 from invact.planner.recipes import RECIPES, Recipe, add_lora, disable_checkpointing, enable_checkpointing
 from invact.planner.sharding import Sharding
+from invact.planner.tensor_parallel import TensorParallel
 
 
 class Step:
@@ -51,11 +53,16 @@ class Step:
     `recipe`, with its AdamW; `peak(batch, seq)` the peak live bytes of one training step.
 
     The model starts eager; `patch()` applies invact.patch() (after which it stays patched).
-    `checkpointing` toggles Hugging Face's gradient checkpointing per call of peak()."""
+    `checkpointing` toggles Hugging Face's gradient checkpointing per call of peak(). `ranks`: FSDP2 over
+    that many ranks (invact.planner.sharding); `tp`: one rank of that many under transformers' tensor
+    parallelism (invact.planner.tensor_parallel: the model, a meta one, sharded in place), with `ranks` the
+    ranks of the whole job (tp x the FSDP2 ranks). AdamW runs its foreach implementation, the default on
+    CUDA; under `tp` its for-loop (foreach refuses the mix of DTensor and plain parameters transformers'
+    tensor parallelism leaves: "got mixed torch.Tensor and DTensor", torch 2.13)."""
 
     def __init__(self, config, recipe: str | Recipe = "bf16", *, rank: int = DEFAULT_RANK,
                  model: nn.Module | None = None, images: int | None = None, image_size: int | None = None,
-                 device: str = "cuda", ranks: int | None = None) -> None:  # fmt: skip
+                 device: str = "cuda", ranks: int | None = None, tp: int | None = None) -> None:  # fmt: skip
         if device not in DEVICES:
             raise PlanError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
         self.device = device
@@ -66,6 +73,10 @@ class Step:
             model, self.attention = build_model(load_config(config)[0], self.recipe.dtype)
         else:
             self.attention = getattr(model.config, "_attn_implementation", None)
+        if tp is not None and self.recipe.lora:
+            raise PlanError(f"tensor parallelism under LoRA adapters is not planned: plan --tp with "
+                            f"{' or '.join(r for r in RECIPES if not RECIPES[r].lora)}")  # fmt: skip
+        self.tensor_parallel = TensorParallel(model, tp) if tp is not None else None
         if self.recipe.quantized:
             if ranks is not None:
                 raise PlanError(
@@ -81,10 +92,11 @@ class Step:
         self.images, self.image_size = images, image_size
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # FSDP2 over `ranks` ranks (invact.planner.sharding): the optimizer steps on each rank's shards
-        self.sharding = Sharding(self.model, ranks) if ranks is not None else None
+        dp = self._fsdp_ranks(ranks, tp) if ranks is not None else None
+        self.sharding = Sharding(self.model, dp) if dp is not None and (tp is None or dp > 1) else None
         self.stepped = self.sharding.trainable if self.sharding is not None else self.trainable
         # foreach: the default on CUDA (torch.optim's _default_to_fused_or_foreach), not on CPU or meta
-        self.optimizer = torch.optim.AdamW(self.stepped, lr=1e-5, foreach=True)
+        self.optimizer = torch.optim.AdamW(self.stepped, lr=1e-5, foreach=tp is None)
         for p in self.stepped:  # the state AdamW creates in its first step
             p.grad = torch.zeros_like(p)
         self.optimizer.step()
@@ -117,6 +129,8 @@ class Step:
             stack.enter_context(standing_for(self.device))
             if self.autocast is not None:
                 stack.enter_context(self.autocast)
+            if self.tensor_parallel is not None:  # patch()'s loss over the vocabulary's shards
+                stack.enter_context(planning(self.tensor_parallel.ranks))
             yield
 
     def _state(self) -> list[torch.Tensor]:
@@ -176,6 +190,8 @@ class Step:
                          workspace, uncounted)  # fmt: skip
         if sharding is not None:
             sharding.attach(live)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.attach(self.patched)
         try:
             with self._modes(), live:
                 live.phase = "forward"
@@ -194,7 +210,11 @@ class Step:
                 live.phase = "step"
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.tensor_parallel is not None:
+                    self.tensor_parallel.release()
         finally:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.detach()
             if sharding is not None:
                 sharding.detach()
                 for p in self.trainable:
@@ -226,6 +246,15 @@ class Step:
             "phase": live.peak_phase,
             "op": str(live.peak_op) if live.peak_op is not None else None,
         }
+
+    @staticmethod
+    def _fsdp_ranks(ranks: int, tp: int | None) -> int:
+        """FSDP2's ranks: all of them, or with `tp` the data parallel ones (ranks / tp)."""
+        if tp is None:
+            return ranks
+        if ranks % tp:
+            raise PlanError(f"{ranks} GPUs do not split into tensor parallel groups of {tp}")
+        return ranks // tp
 
     def _on_meta(self) -> bool:
         return next(self.model.parameters()).is_meta
@@ -284,7 +313,7 @@ def _rows(step: Step, batch: int, seq: int | None, budget: int | None, searched:
 def step_peaks(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_RECIPES,
                rank: int = DEFAULT_RANK, fits: int | str | None = None, device: str = "cuda",
                images: int | None = None, image_size: int | None = None,
-               ranks: int | None = None) -> dict:  # fmt: skip
+               ranks: int | None = None, tp: int | None = None) -> dict:  # fmt: skip
     """The peak of one training step of the model `config` describes (a config object or dict, or the
     path of a config JSON file), eager and after invact.patch(), without and with gradient
     checkpointing, for each recipe in `recipes` (RECIPES' names), predicted on the meta device.
@@ -304,8 +333,15 @@ def step_peaks(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_RE
     `ranks` (None: one device): the peak on each of `ranks` devices that train the model with FSDP2
     (`fully_shard` on each decoder layer, then the root; invact.planner.sharding), each with `batch` x
     `seq` of its own; the result's `ranks` says which (1 plans one device: FSDP2 on one rank keeps each
-    parameter once, as one device does)."""
+    parameter once, as one device does).
+
+    `tp` (None: no tensor parallelism): the peak on each of `tp` devices that train the model under
+    transformers' tensor parallelism (its tp_plan; invact.planner.tensor_parallel), all on one `batch` x
+    `seq`; with `ranks` as well, FSDP2 over the ranks / tp data parallel groups. The result's `tp` says
+    which. The LoRA recipes are not planned under `tp` (PlanError)."""
     budget, searched, batch = _search(batch, seq, fits, recipes, ranks)
+    if tp is not None:
+        check_positive("tp", tp)
     config, path = load_config(config)
     if searched == "seq":  # the longest sequence the config's positions take
         cap = (positions(config) or (None, SEQ_CAP))[1]
@@ -314,7 +350,7 @@ def step_peaks(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_RE
     rows, model_class = [], None
     for name in recipes:
         step = Step(config, name, rank=rank, device=device, images=images, image_size=image_size,
-                    ranks=ranks if ranks != 1 else None)  # fmt: skip
+                    ranks=ranks if ranks != 1 or tp is not None else None, tp=tp)  # fmt: skip
         model_class = type(step.base).__name__
         rows += _rows(step, batch, seq, budget, searched, cap)
     return {
@@ -324,6 +360,7 @@ def step_peaks(config, batch: int | None, seq: int | None, *, recipes=DEFAULT_RE
         "dtype": "bfloat16",
         "device": device,
         "ranks": ranks,
+        "tp": tp,
         "rank": rank,
         "batch": batch,
         "seq": seq,

@@ -124,7 +124,7 @@ def test_largest_batch_and_explain(tiny_config):
     "args, message",
     [
         (("--fits", "24 parsecs"), "cannot read '24 parsecs' as a size"),
-        (("--step", "--batch", "1"), "--step, --explain and --gpus need --batch and --seq"),
+        (("--step", "--batch", "1"), "--step, --explain, --gpus and --tp need --batch and --seq"),
         (("--fits", "1GiB", "--dtype", "float32"), "leave --dtype at bfloat16"),
         (("--fits", "1GiB", "--no-loss"), "drop --no-gated"),
         (("--fits", "1GiB", "--recipe", "dora"), "invalid choice: 'dora'"),
