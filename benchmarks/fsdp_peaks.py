@@ -103,8 +103,9 @@ for _name in ("llama", "qwen3"):
 # with Hugging Face's gradient checkpointing at seq 512 (its recompute runs FSDP2's hooks again)
 MATRIX = dict(architectures=("llama", "qwen3", "gpt2"), ranks=(2, 4), patched=(False, True), batch=1,
               shapes=((512, False), (128, False), (512, True)))  # fmt: skip
-# --tp --matrix: the same shapes under transformers' tp_plan (GPT-2 has none), results/tp_peaks_cpu.json
-TP_MATRIX = {**MATRIX, "architectures": ("llama-tp", "qwen3-tp")}
+# --tp-matrix: the same shapes under transformers' tp_plan (GPT-2 has none), results/tp_peaks_cpu.json:
+# (ranks, tensor parallel group) of TP alone on 2 and 4 ranks, and TP in pairs with FSDP2 across two pairs
+TP_MATRIX = {**MATRIX, "architectures": ("llama-tp", "qwen3-tp"), "ranks": (2, 4, 4), "tp": (2, 4, 2)}
 
 
 # -- the worker: one rank ---------------------------------------------------------------------------------
@@ -221,11 +222,12 @@ def _live_class():
     return FSDPLiveBytes
 
 
-def build_tensor_parallel(config, patched: bool, folder: Path, rank: int):
+def build_tensor_parallel(config, patched: bool, folder: Path, rank: int, tp: int, ranks: int):
     """build()'s model (unpatched) saved by rank 0 into `folder`, then loaded by every rank as transformers
     shards it for tensor parallelism: from_pretrained(folder, distributed_config=DistributedConfig(
-    tp_plan="auto")) over every rank (the model's tp_plan: its projections' DTensor shards and forwards),
-    in bf16, then patched with `patched`. Returns build()'s four."""
+    tp_plan="auto", tp_size=tp, fsdp_size=ranks // tp)) (the model's tp_plan: its projections' DTensor
+    shards and forwards, over groups of `tp` ranks; with fewer than all, FSDP2 across the groups by the
+    model's fsdp_plan), in bf16, then patched with `patched`. Returns build()'s four."""
     import warnings
 
     import torch
@@ -246,11 +248,11 @@ def build_tensor_parallel(config, patched: bool, folder: Path, rank: int):
     dist.barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes on loading
+        parallel = DistributedConfig(tp_plan="auto", tp_size=tp, fsdp_size=ranks // tp)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.bfloat16,
-            attn_implementation=attention,
+            folder, distributed_config=parallel, dtype=torch.bfloat16, attn_implementation=attention,
         ).train()  # fmt: skip
-    if type(model).__name__ != cls:
+    if type(model).__name__ not in (cls, f"FSDP{cls}"):  # FSDP2's fully_shard swaps the class
         raise RuntimeError(f"from_pretrained built {type(model).__name__}, not {cls}")
     # A shard of rows transformers loads on the CPU is a view of the whole checkpoint tensor
     # (distributed/sharding_utils.py: source[slices].to(device), a no-op on the CPU), keeping the whole
@@ -268,9 +270,10 @@ def build_tensor_parallel(config, patched: bool, folder: Path, rank: int):
 def measure(spec: dict, rank: int) -> dict:
     import torch
 
-    if spec.get("tp"):
+    tp = spec.get("tp") or 0  # tensor parallel groups of this many ranks (0: FSDP2 alone)
+    if tp:
         model, cls, attention, names = build_tensor_parallel(
-            spec["config"], spec["patched"], Path(spec["folder"]), rank
+            spec["config"], spec["patched"], Path(spec["folder"]), rank, tp, spec["ranks"]
         )
     else:
         model, cls, attention, names = build(spec["config"], spec["patched"])
@@ -278,12 +281,12 @@ def measure(spec: dict, rank: int) -> dict:
         from invact.planner.recipes import enable_checkpointing
 
         enable_checkpointing(model)
-    units = shard(model) if not spec.get("tp") else ["tp_plan", f"x{spec['ranks']}"]
+    units = shard(model) if not tp else ["tp_plan", f"x{tp}", f"fsdp_plan x{spec['ranks'] // tp}"]
     # AdamW's foreach refuses tensor parallel's mix of DTensor and plain parameters ("got mixed
     # torch.Tensor and DTensor"): its for-loop there, as the planner's --tp (invact.planner.step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=not spec.get("tp"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=not tp)
     vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(1 + rank)
+    generator = torch.Generator().manual_seed(1 + (rank // tp if tp else rank))  # a TP group's: one batch
     ids = torch.randint(0, vocab, (spec["batch"], spec["seq"]), generator=generator)
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     params = list(model.parameters())
@@ -427,7 +430,7 @@ def _last_line(text: str) -> str:
 
 
 def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float = WAIT_S,
-        profile: bool = True, checkpointing: bool = False, tp: bool = False) -> dict:  # fmt: skip
+        profile: bool = True, checkpointing: bool = False, tp: int = 0) -> dict:  # fmt: skip
     """One measurement: `ranks` processes; the gathered result (RunError where a rank failed)."""
     import torch
     import transformers
@@ -478,6 +481,7 @@ def run(config, ranks: int, batch: int, seq: int, patched: bool, wait_s: float =
         "patched": patched,
         "checkpointing": checkpointing,
         "parallel": "tp" if tp else "fsdp",
+        "tp": tp,
         "dtype": DTYPE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -498,7 +502,8 @@ def summary(result: dict) -> str:
 
     variant = "patched" if result["patched"] else "eager"
     r0 = per[0]
-    return (f"{result['config']['name']:>8} ranks {result['ranks']} {variant:>7}: peak {mib()} MiB"
+    tp = f" (tp {result['tp']})" if result.get("tp") else ""
+    return (f"{result['config']['name']:>8} ranks {result['ranks']}{tp} {variant:>7}: peak {mib()} MiB"
             f" ({r0['phase']}, {r0['op']}); plain LiveBytes {mib('livebytes')}; profiler {mib('profiler')}"
             f"  [{result['seconds']:.1f} s]")  # fmt: skip
 
@@ -510,14 +515,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="rows per rank")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--patched", action="store_true", help="invact.patch(model) before sharding")
-    parser.add_argument("--tp", action="store_true",
-                        help="tensor parallel (transformers' tp_plan) in place of FSDP2")  # fmt: skip
+    parser.add_argument("--tp", type=int, default=0, metavar="N",
+                        help="tensor parallel groups of N ranks (transformers' tp_plan); N below --ranks: "
+                             "FSDP2 across the groups (its fsdp_plan)")  # fmt: skip
     parser.add_argument("--checkpointing", action="store_true",
                         help="Hugging Face's gradient checkpointing on each decoder layer")  # fmt: skip
     parser.add_argument("--out", type=Path, help="where to write the JSON")
-    parser.add_argument("--matrix", action="store_true",
-                        help="run MATRIX into results/fsdp_peaks_cpu.json (--tp: TP_MATRIX into "
-                             "results/tp_peaks_cpu.json)")  # fmt: skip
+    parser.add_argument("--matrix", action="store_true", help="run MATRIX into results/fsdp_peaks_cpu.json")
+    parser.add_argument("--tp-matrix", action="store_true",
+                        help="run TP_MATRIX into results/tp_peaks_cpu.json")  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=WAIT_S, help="the launcher's wait per measurement (s)"
     )
@@ -528,18 +534,19 @@ def main(argv=None) -> int:
         worker(args.worker)
         return 0  # not reached
     sys.path.insert(0, str(HERE))
-    if args.matrix:
+    if args.matrix or args.tp_matrix:
         from timing import write_result
 
         t0, runs, failed = time.perf_counter(), [], 0
-        matrix, kind = (TP_MATRIX, "tp") if args.tp else (MATRIX, "fsdp")
-        cases = [(name, ranks, patched, seq, ckpt) for seq, ckpt in matrix["shapes"]
-                 for name in matrix["architectures"] for ranks in matrix["ranks"]
+        matrix, kind = (TP_MATRIX, "tp") if args.tp_matrix else (MATRIX, "fsdp")
+        groups = list(zip(matrix["ranks"], matrix.get("tp", (0,) * len(matrix["ranks"])), strict=True))
+        cases = [(name, ranks, tp, patched, seq, ckpt) for seq, ckpt in matrix["shapes"]
+                 for name in matrix["architectures"] for ranks, tp in groups
                  for patched in matrix["patched"]]  # fmt: skip
-        for name, ranks, patched, seq, ckpt in cases:
+        for name, ranks, tp, patched, seq, ckpt in cases:
             try:
                 result = run(name, ranks, matrix["batch"], seq, patched, args.timeout, args.profile, ckpt,
-                             args.tp)  # fmt: skip
+                             tp)  # fmt: skip
                 print(summary(result), flush=True)
             except RunError as e:
                 failed += 1
@@ -547,7 +554,7 @@ def main(argv=None) -> int:
                 print(f"{name} ranks {ranks} patched {patched}: FAILED: {line}", flush=True)
                 result = {"config": {"name": name, **ARCHITECTURES[name]}, "ranks": ranks,
                           "batch": matrix["batch"], "seq": seq, "patched": patched,
-                          "checkpointing": ckpt, "parallel": kind, "error": line}  # fmt: skip
+                          "checkpointing": ckpt, "parallel": kind, "tp": tp, "error": line}  # fmt: skip
             runs.append(result)
         seconds = round(time.perf_counter() - t0, 1)
         print(f"matrix: {len(runs)} runs in {seconds} s")
@@ -557,7 +564,7 @@ def main(argv=None) -> int:
                       "seconds": seconds, "runs": runs}, f"{kind}_peaks", "cpu", out=out)  # fmt: skip
         return 1 if failed else 0
     if not args.config:
-        parser.error("--config (or --matrix) is required")
+        parser.error("--config (or --matrix, --tp-matrix) is required")
     try:
         result = run(args.config, args.ranks, args.batch, args.seq, args.patched, args.timeout, args.profile,
                      args.checkpointing, args.tp)  # fmt: skip

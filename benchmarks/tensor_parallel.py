@@ -7,7 +7,8 @@ forward), "native" (the native Llama of benchmarks/native_models.py under torcht
 plan without sequence parallel, the loop's loss: eager F.cross_entropy on the gathered logits, patched the
 one-line change to invact.functional.linear_cross_entropy with the head's DTensor weight), "native_sp" (the
 same plan with its SequenceParallel norms) and, on 4 ranks,
-"fsdp_tp" (the same on a 2 x 2 mesh, FSDP2 across, TP within). Sizes: _tp_workers' (vocabulary 1002,
+"fsdp_tp" (the same on a 2 x 2 mesh, FSDP2 across, TP within) and "hf_fsdp_tp" (transformers' tp_plan and
+fsdp_plan on a 2 x 2 mesh, patched after loading). Sizes: _tp_workers' (vocabulary 1002,
 hidden 64, 2 layers, batch 2 x 128 tokens a rank), fp32. Per rank the largest figure of the ranks is shown
 (they differ by a few KiB: the uneven vocabulary shards). Writes
 benchmarks/results/tensor_parallel_cpu.json and its markdown table (.md).
@@ -37,6 +38,7 @@ CASES = {
     "native": "native Llama, parallelize_module",
     "native_sp": "native Llama, parallelize_module + SequenceParallel",
     "fsdp_tp": "native, FSDP2 x TP",
+    "hf_fsdp_tp": "transformers tp_plan + fsdp_plan, FSDP2 x TP",
 }
 TIMEOUT_S = 600
 

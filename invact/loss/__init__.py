@@ -462,6 +462,15 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
 _GLOBAL_FORWARD_HOOKS = torch.nn.modules.module._global_forward_hooks
 
 
+def _own_class(module: nn.Module) -> type:
+    """The module's class, seen through FSDP2's per-class subclass: `fully_shard` (transformers'
+    fsdp_plan applies it when it loads a model) makes a module's class FSDP<cls>(FSDPModule, cls), and a
+    head sharded so is still the nn.Linear it was."""
+    cls = type(module)
+    bases = cls.__bases__
+    return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else cls
+
+
 class LossHead(nn.Module):
     """The mixin of a patched head (invact.identity): while `_invact_armed` (a training forward of its
     model with labels), where its owner's forward hands the head's output to its loss function through
@@ -664,7 +673,7 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
     name = next((n for n, m in model.named_modules() if m is head), None)
     if name is None:
         return None, False, "the model has no output embeddings (get_output_embeddings)"
-    if type(head) is not nn.Linear and not isinstance(head, LossHead):
+    if _own_class(head) is not nn.Linear and not isinstance(head, LossHead):
         return name, False, f"its head is a {type(head).__name__}, not an nn.Linear"
     wrapped = _wrapped(head)
     if wrapped:
@@ -716,10 +725,14 @@ def _tensor_parallel_forward(head: nn.Module):
     free = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=False))
     style, inner = free.get("self"), free.get("original_forward")
     weight = head._parameters.get("weight")
+    # a 1-D mesh, or under FSDP2 x TP (transformers' fsdp_plan on a (data, tensor) mesh: the head in a unit,
+    # or tied to the embeddings in theirs, kept gathered) a 2-D one, whose forward sees the weight gathered
+    # over the first: a DTensor of the second
+    mesh = weight.device_mesh.ndim if parallel.is_dtensor(weight) else 0
     if (type(style).__name__ != "ColwiseParallel" or getattr(inner, "__func__", None) is not nn.Linear.forward
-            or not parallel.is_dtensor(weight) or weight.device_mesh.ndim != 1):  # fmt: skip
+            or mesh not in (1, 2)):  # fmt: skip
         return None
-    output, (placement,) = getattr(style, "output_layouts", None), weight.placements
+    output, placement = getattr(style, "output_layouts", None), weight.placements[-1]
     if not (
         output is not None and output.is_replicate() and placement.is_shard() and placement.dim in (0, -2)
     ):

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from invact import kinds
 from invact._budget import _transforms_active, budgeted
@@ -345,8 +346,11 @@ def _differs_quietly(module: nn.Module, v: Variant, generator: torch.Generator) 
         x, params = _probe_tensors(module, v, dtype, generator)
         eps = getattr(module, eps_name(module, v))
         try:
-            with torch.no_grad():
-                theirs = torch.func.functional_call(module, params, (x,), strict=False)
+            # its forward, not its call: a module's forward hooks are not its formula, and FSDP2's (a unit
+            # of its own, as transformers' fsdp_plan makes the final norm) would initialize the unit as
+            # a root before the model's forward does, which FSDP2 then refuses
+            with torch.no_grad(), _reparametrize_module(module, params, strict=False):
+                theirs = module.forward(x)
         except Exception as e:  # noqa: BLE001 - any failure of the module's forward on the probe
             if dtype != own:  # an input of another dtype than its weight's, which it need not take
                 continue

@@ -23,7 +23,10 @@ def test_the_committed_table_is_its_result():
     result = json.loads(RESULT.read_text())
     assert RESULT.with_suffix(".md").read_text() == _markdown()(result["rows"])
     cases = {(r["case"], r["ranks"]) for r in result["rows"]}
-    assert cases == {(c, n) for c in ("hf", "native", "native_sp") for n in (2, 4)} | {("fsdp_tp", 4)}
+    assert cases == {(c, n) for c in ("hf", "native", "native_sp") for n in (2, 4)} | {
+        ("fsdp_tp", 4),
+        ("hf_fsdp_tp", 4),
+    }
     for r in result["rows"]:
         e, p = r["eager"], r["patched"]
         assert e["vocab_wide_saved"] > 0 and p["vocab_wide_saved"] == 0, r

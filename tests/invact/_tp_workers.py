@@ -22,7 +22,12 @@ each result in OUT_DIR/<case>_rank<r>.pt):
   the final norm, PrepareModuleInput before the attention and the MLP, RowwiseParallel reducing-scattering
   over the sequence): the inverted norms run on each rank's rows, the loss gathers the final norm's output;
 - "fsdp_tp" (4 ranks): the same native Llama on a 2 x 2 mesh, TP within ("tp") and FSDP2 (fully_shard on
-  each block and the root) across ("dp"), each dp group its own half of the batch.
+  each block and the root) across ("dp"), each dp group its own half of the batch;
+- "hf_fsdp_tp" (4 ranks): "hf"'s Llama loaded by transformers on a 2 x 2 mesh (DistributedConfig(
+  tp_plan="auto", tp_size=2, fsdp_size=2): its tp_plan within, its fsdp_plan across: the embeddings, each
+  layer, the final norm with the head, the root), patched after loading, each dp group its own batch;
+- "hf_fsdp_tp_tied" (4 ranks): the same with the head tied to the embeddings (transformers' fsdp_plan
+  keeps their unit gathered; the head is no unit of its own).
 
 Step 1 of each training run records its loss, every parameter's whole gradient, the bytes autograd saved
 (invact.memory.count_saved), the live bytes' peak (invact.planner.live_bytes.LiveBytes), and the saved
@@ -48,7 +53,7 @@ LR = 1e-3
 # A vocabulary that 2 and 4 ranks shard unevenly (501 | 251, 251, 250, 250 rows), wider than any other
 # dimension: a saved tensor whose last dimension is a shard's or the whole vocabulary's is the logits'.
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, SEQ, BATCH = 1002, 64, 128, 2, 4, 128, 2
-CASES = ("functional", "hf", "native", "native_sp", "fsdp_tp")
+CASES = ("functional", "hf", "native", "native_sp", "fsdp_tp", "hf_fsdp_tp", "hf_fsdp_tp_tied")
 # "functional"'s sizes and cases: test_linear_cross_entropy's (40 rows of 16, a vocabulary of 601, which 2
 # and 4 ranks shard unevenly too)
 ROWS, FN_HIDDEN, FN_VOCAB = 40, 16, 601
@@ -374,6 +379,46 @@ def _native(rank: int, mesh=None, dp=None, sequence_parallel: bool = False) -> d
     return result
 
 
+def _hf_fsdp_tp(rank: int, out_dir: Path, tied: bool = False) -> dict:
+    import warnings
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import invact
+
+    if _world() != 4:
+        return {"skipped": "2-D FSDP2 x TP takes 4 ranks"}
+    folder = out_dir / "hf_llama"  # "hf"'s, saved by rank 0 before
+    if tied:
+        folder = out_dir / "hf_llama_tied"
+        if rank == 0:
+            config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                 num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                 num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                                 initializer_range=0.2, tie_word_embeddings=True)  # fmt: skip
+            torch.manual_seed(0)
+            LlamaForCausalLM(config).save_pretrained(folder)
+        dist.barrier()
+    dp_rank = rank // 2  # transformers' mesh: (fsdp, tp), tp the inner dimension
+    ids, result = _batch(seed=1 + dp_rank), {}
+    for variant in ("eager", "patched"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parallel = DistributedConfig(tp_plan="auto", tp_size=2, fsdp_size=2)
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, distributed_config=parallel, dtype=torch.float32
+            ).train()
+        run = {"taken": invact.patch(model) if variant == "patched" else []}
+        run.update(_steps(model, lambda m: m(input_ids=ids, labels=ids).loss))
+        result[variant] = run
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    invact.patch(model)
+    whole = torch.cat([_batch(seed=1 + r) for r in range(2)])
+    result["reference"] = _reference(model, lambda m: m(input_ids=whole, labels=whole).loss)
+    return result
+
+
 def _fsdp_tp(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -393,6 +438,8 @@ def run_case(case: str, rank: int, out_dir: Path) -> dict:
         return _native(rank)
     if case == "native_sp":
         return _native(rank, sequence_parallel=True)
+    if case in ("hf_fsdp_tp", "hf_fsdp_tp_tied"):
+        return _hf_fsdp_tp(rank, out_dir, tied=case.endswith("tied"))
     return _fsdp_tp(rank)
 
 

@@ -32,7 +32,7 @@ from tests.invact.test_loss import _fp32_bound
 
 WORLDS = (2, 4)
 _WORKER_TIMEOUT_S = 300  # 4 ranks ran all cases in 18 s on 2 cores (AMD EPYC); the collectives' own is 60 s
-TRAINING = ("hf", "native", "native_sp", "fsdp_tp")
+TRAINING = ("hf", "native", "native_sp", "fsdp_tp", "hf_fsdp_tp", "hf_fsdp_tp_tied")
 
 
 def _functional_bound(world: int) -> float:
@@ -118,7 +118,7 @@ def test_losses_equal_eager_tensor_parallel(tp_results, case):
 @pytest.mark.parametrize("case", TRAINING)
 def test_gradients_within_the_bound_of_one_process(tp_results, case):
     world = tp_results[0]
-    tokens = BATCH * SEQ * (2 if case == "fsdp_tp" else 1)
+    tokens = BATCH * SEQ * (2 if "fsdp_tp" in case else 1)
     for rank, r in enumerate(_ranks(tp_results, case)):
         want, got = r["reference"]["grads"], r["patched"]["grads"]
         assert got.keys() == want.keys()
@@ -156,6 +156,17 @@ def test_transformers_tp_head_is_taken_over_the_shards(tp_results):
         # outputs.logits read after a patched forward: gathered over the ranks, eager TP's bit for bit
         assert r["patched"]["logits_type"] == "PendingLogits"
         assert torch.equal(r["patched"]["logits"], r["eager"]["logits"])
+
+
+@pytest.mark.parametrize("case", ["hf_fsdp_tp", "hf_fsdp_tp_tied"])
+def test_transformers_fsdp_and_tp_plans_loaded_first_are_patched(tp_results, case):
+    """A model transformers loads already sharded (its fsdp_plan's units: FSDP2's FSDP<cls> classes, the
+    final norm and the head one unit; its tp_plan inside) is patched after loading: the head's loss (its
+    weight a DTensor of the 2-D mesh) and the norms are taken, and the norms' probe runs no unit's hooks
+    (a unit's forward before the root's makes FSDP2 refuse the model's forward)."""
+    for r in _ranks(tp_results, case):
+        taken = r["patched"]["taken"]
+        assert "lm_head" in taken and "model.norm" in taken, taken
 
 
 def test_a_head_sharded_by_hooks_is_left_alone(tp_results):
