@@ -12,8 +12,8 @@ without a process group and without DTensor (imports no torch.distributed):
   rows (the vocabulary), "replicated_with_grad_allreduce" keeps the parameters whole (their gradients
   all-reduced in place: no bytes). The attention then runs this rank's heads and the
   MLP its share of the intermediate features, as transformers' DTensor forward does (its local tensors);
-  everything else (embeddings, norms) is whole on every rank. Weights, gradients and AdamW's state are
-  the rank's.
+  everything else (norms, a module the plan does not name) is whole on every rank. Weights, gradients and
+  AdamW's state are the rank's.
 - `attach()` adds, for one step, the bytes the collectives allocate, as DTensor's redistributions
   allocate them (torch 2.13's functional collectives: a new output, the input freed when unreferenced):
   a "rowwise" or "embedding_rowwise" output's all-reduce (the partial sums, the reduced copy and
