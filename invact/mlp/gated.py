@@ -67,10 +67,12 @@ def _product_node(t: torch.Tensor):
     if found is None:
         return None
     node, operands = found
-    for n in operands:
-        if type(n) in _INVACT_NODE_TYPES or n.name() in _INVACT_NODES:
-            return node
-    return None
+    return node if _any_invact(operands) else None
+
+
+def _any_invact(nodes) -> bool:
+    """Some of these autograd nodes is an InvAct function's."""
+    return any(type(n) in _INVACT_NODE_TYPES or n.name() in _INVACT_NODES for n in nodes)
 
 
 # The autograd nodes between a gated product and the DTensor a tensor parallel down projection saves
@@ -96,8 +98,7 @@ def _dtensor_product_node(t: torch.Tensor):
     if node is None or not _is_mul(node):
         return None
     operands = [n for n, _ in node.next_functions]
-    if None in operands or not any(type(n) in _INVACT_NODE_TYPES or n.name() in _INVACT_NODES
-                                   for n in operands):  # fmt: skip
+    if None in operands or not _any_invact(operands):
         return None
     y, u = node._saved_self, node._saved_other
     local = t._local_tensor
