@@ -13,14 +13,12 @@ metadata, not by importing it (which takes seconds).
 
 from __future__ import annotations
 
-import os
 import re
-import sys
-import types
-import warnings
 from importlib import metadata
 
 import torch
+
+from invact import _warn
 
 # package -> (oldest supported, newest tested): "major.minor" for torch, "major.minor" for transformers.
 SUPPORTED = {"torch": ("2.11", "2.15"), "transformers": ("4.57", "5.25")}
@@ -65,19 +63,6 @@ def installed(package: str) -> str | None:
         return None
 
 
-def _importer() -> types.FrameType | None:
-    """The frame whose code imported invact: the first on the stack outside invact's own package and
-    Python's import machinery (None where there is none)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(package) or name.startswith("<frozen importlib")):
-            return frame
-        frame = frame.f_back
-    return None
-
-
 def check(torch_version: str, transformers_version: str | None) -> None:
     """Raise ImportError on a torch below the range; warn on anything else outside it (transformers None:
     not installed, nothing to say). A warning points at the line that imported invact (the user's
@@ -88,24 +73,9 @@ def check(torch_version: str, transformers_version: str | None) -> None:
     found = [("torch", torch_version, why)]
     if transformers_version is not None:
         found.append(("transformers", transformers_version, outside("transformers", transformers_version)))
-    frame = _importer()
     for package, version, why in found:
-        if why is None:
-            continue
-        if frame is None:
-            warnings.warn_explicit(
-                message(package, version, why), VersionWarning, "invact", 0, module="invact"
-            )
-        else:
-            globals_ = frame.f_globals
-            warnings.warn_explicit(
-                message(package, version, why),
-                VersionWarning,
-                frame.f_code.co_filename,
-                frame.f_lineno,
-                module=globals_.get("__name__", "invact"),
-                registry=globals_.setdefault("__warningregistry__", {}),
-            )  # no module_globals, as warnings.warn passes none: a loader without sources (-c) would raise
+        if why is not None:
+            _warn.warn(message(package, version, why), VersionWarning)
 
 
 check(torch.__version__, installed("transformers"))

@@ -12,9 +12,9 @@ import hashlib
 import importlib.util
 import os
 import sys
-import warnings
 from pathlib import Path
 
+from invact import _warn
 from invact.activation.activations import Activation, register
 from invact.activation.modules import InvAct
 
@@ -50,9 +50,9 @@ def load_activation(path: str | os.PathLike) -> type[InvAct]:
     if getattr(module, "numba", None) is None and importlib.util.find_spec("numba") is not None:
         # numba is here but the file's numba view did not import: it names modules of another invact
         # (a file emitted before the package-per-kind layout imports invact._cpu_math)
-        warnings.warn(f"{path}: its CPU kernels did not import with this invact, so its CPU backward runs "
-                      "the portable torch path (correct, several times slower); emit it again with this "
-                      "invact-fit (invact-fit NAME --expr TEXT --emit FILE)", stacklevel=2)  # fmt: skip
+        _warn.warn(f"{path}: its CPU kernels did not import with this invact, so its CPU backward runs "
+                   "the portable torch path (correct, several times slower); emit it again with this "
+                   "invact-fit (invact-fit NAME --expr TEXT --emit FILE)")  # fmt: skip
     cls = type(module.MODULE_CLASS, (InvAct,), {
         "__init__": _init(name),
         "__doc__": f"{name}: f(x) = {module.FORMULA}, saving its output"

@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
-import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from invact import activation, loss, mlp, norm
+from invact import _warn, activation, loss, mlp, norm
 from invact.kinds import Decision, Kind, Options, glob_patterns
 
 log = logging.getLogger("invact")
@@ -196,10 +195,10 @@ class _HeadWatch:
         path = vars(module).get("_invact_head_path")
         if path and not self.warned and not isinstance(_at(module, path), loss.LossHead):
             self.warned = True
-            warnings.warn(f"invact: {'.'.join(path)} of {type(module).__name__} was replaced after "
-                          "invact.patch() took it (resize_token_embeddings?): its loss computes full "
-                          "(tokens x vocab) logits again; call invact.patch(model) again to compute it from "
-                          "hidden states", stacklevel=2)  # fmt: skip
+            _warn.warn(f"invact: {'.'.join(path)} of {type(module).__name__} was replaced after "
+                       "invact.patch() took it (resize_token_embeddings?): its loss computes full "
+                       "(tokens x vocab) logits again; call invact.patch(model) again to compute it from "
+                       "hidden states", through=("transformers", "torch"))  # fmt: skip
         return result
 
 

@@ -200,8 +200,11 @@ def test_a_file_whose_cpu_kernels_do_not_import_loads_with_a_warning(emitted, tm
     old = tmp_path / "swish_squared_old_invact.py"
     old.write_text(text)
     try:
-        with pytest.warns(UserWarning, match="its CPU kernels did not import"):
+        with pytest.warns(UserWarning, match="its CPU kernels did not import") as caught:
+            loaded_at = sys._getframe().f_lineno + 1
             cls = invact.load_activation(old)
+        (warned,) = caught
+        assert (warned.filename, warned.lineno) == (__file__, loaded_at)  # at the user's line
         assert ACTIVATIONS["swish_squared_old"].emitted.numba is None
         x = torch.randn(64, requires_grad=True)
         cls()(x).sum().backward()  # the portable path still trains

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import copy
 import re
+import sys
 import warnings
 
 import pytest
@@ -113,8 +114,8 @@ def test_a_second_patch_changes_and_reports_nothing():
     torch.testing.assert_close(twice.loss, want, rtol=1e-5, atol=0)
 
 
-def _invact_warnings(caught) -> list[str]:
-    return [str(w.message) for w in caught if str(w.message).startswith("invact:")]
+def _invact_warnings(caught) -> list[warnings.WarningMessage]:
+    return [w for w in caught if str(w.message).startswith("invact:")]
 
 
 def _same_loss(model: nn.Module, ids: torch.Tensor, tied: bool) -> PendingLogits:
@@ -134,10 +135,15 @@ def test_a_head_replaced_after_patch_warns_and_patch_takes_it_back():
         warnings.simplefilter("always")
         model.resize_token_embeddings(128)  # the same size: the same head, nothing to say
         assert not _invact_warnings(caught)
+        resized_at = sys._getframe().f_lineno + 1
         model.resize_token_embeddings(136)  # a new nn.Linear
-    (said,) = _invact_warnings(caught)
+    (warned,) = _invact_warnings(caught)
+    said = str(warned.message)
     assert "lm_head of LlamaForCausalLM was replaced after invact.patch()" in said
     assert "call invact.patch(model) again" in said
+    assert "\n" not in said
+    # at the user's line (the resize above), not inside transformers' resize_token_embeddings
+    assert (warned.filename, warned.lineno) == (__file__, resized_at)
     assert type(model.lm_head) is nn.Linear
     (d,) = [d for d in invact.plan(model) if d.kind == "loss"]
     assert d.replace and d.reason.startswith("not in effect: the head was replaced after invact.patch()")
