@@ -674,7 +674,8 @@ def head_of(model: nn.Module) -> tuple[str | None, bool, str]:
     if name is None:
         return None, False, "the model has no output embeddings (get_output_embeddings)"
     if _own_class(head) is not nn.Linear and not isinstance(head, LossHead):
-        return name, False, f"its head is a {type(head).__name__}, not an nn.Linear"
+        kind = type(head)
+        return name, False, f"its head is a {kind.__module__}.{kind.__qualname__}, not an nn.Linear"
     wrapped = _wrapped(head)
     if wrapped:
         return name, False, wrapped
