@@ -161,6 +161,26 @@ def _loss_host(model: nn.Module, name: str) -> nn.Module | None:
     return None
 
 
+# The loss's Decision where the model's forward was wrapped to offer its own fused head (TRL's
+# add_fused_lm_head, on every model its SFT, DPO, KTO, GRPO and RLOO trainers train)
+_FUSED_HEAD = ("not in effect in calls with fused_lm_head=True (TRL's trainers), where the model's own fused "
+               "head reads the head's weight and never calls it; in its other calls: ")  # fmt: skip
+
+
+def _fused_head(model: nn.Module, name: str) -> bool:
+    """Whether a module on the path to the head `name` (the model itself included) has a forward of its
+    own, set on the instance, that takes `fused_lm_head` (read from its code, not its signature, which
+    functools.wraps copies from the class's forward)."""
+    parts = name.split(".")
+    for depth in range(len(parts)):
+        forward = vars(model.get_submodule(".".join(parts[:depth]))).get("forward")
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] if code else ()
+        if "fused_lm_head" in arguments:
+            return True
+    return False
+
+
 def _loss_in_place(model: nn.Module, name: str) -> bool:
     """Whether an earlier patch() took the head `name` and it is still the module there."""
     return isinstance(model.get_submodule(name), loss.LossHead) and _loss_host(model, name) is not None
@@ -168,10 +188,13 @@ def _loss_in_place(model: nn.Module, name: str) -> bool:
 
 def _loss_state_told(model: nn.Module, d: Decision) -> Decision:
     """The loss's Decision to take a head, its reason saying so where an earlier patch() took the
-    module that was there and it has been replaced since (the loss path is then off)."""
-    if d.kind != loss.KIND.name or not d.replace or _loss_in_place(model, d.name):
+    module that was there and it has been replaced since (the loss path is then off), and where the
+    model's forward offers a fused head of its own (TRL's), in whose calls the loss path is off."""
+    if d.kind != loss.KIND.name or not d.replace:
         return d
-    if _loss_host(model, d.name) is None:
+    if _fused_head(model, d.name):
+        d = dataclasses.replace(d, reason=_FUSED_HEAD + d.reason)
+    if _loss_in_place(model, d.name) or _loss_host(model, d.name) is None:
         return d
     return dataclasses.replace(d, reason=_HEAD_REPLACED + d.reason)
 

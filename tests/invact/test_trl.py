@@ -93,6 +93,9 @@ def test_patched_losses_within_the_derived_bound(runs, kind, checkpointing):
     layers = SIZES["num_hidden_layers"]  # a SiLU and two RMSNorms a layer, the final norm, the head (unused)
     assert patched["replaced"] == {"activation": layers, "norm": 2 * layers + 1, "loss": 1}
     assert patched["head_calls"] == eager["head_calls"] == 0  # TRL's fused head: invact's loss never runs
+    # and plan() says so, of the model the trainer holds (its forward wrapped by add_fused_lm_head)
+    ((taken, reason),) = patched["plan_loss"]
+    assert taken and reason.startswith("not in effect in calls with fused_lm_head=True (TRL's trainers)")
     want, got = eager["losses"], patched["losses"]
     assert len(want) == len(got) == STEPS and all(math.isfinite(x) for x in got)
     # GRPO: the same parameters and torch's forward at step 0, then ~1e-7 apart: a sampled token changes only
@@ -134,3 +137,12 @@ def test_patched_step_peak_is_lower_by_the_derived_saving(runs, kind, checkpoint
     eager, patched = runs(kind, False, checkpointing), runs(kind, True, checkpointing)
     assert eager["tokens"] == patched["tokens"] > 0
     assert eager["peak"] - patched["peak"] == _saving(checkpointing, eager["tokens"])
+
+
+def test_the_committed_table_is_the_committed_results():
+    """docs/trl.md includes benchmarks/results/trl_trainers_cpu.md: the table of the committed JSON."""
+    import json
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "trl_trainers_cpu.json").read_text())
+    table = (ROOT / "benchmarks" / "results" / "trl_trainers_cpu.md").read_text()
+    assert table == trl_trainers.table(result)
