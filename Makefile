@@ -1,9 +1,12 @@
 # The README's two commands: `make fit` and `make test`. Both create .venv on first use, with every
 # package at the version tests/constraints.txt pins (its header says how the pins move: `make pins`).
-# torch is installed first, so pip never pulls a multi-GB CUDA build on a fresh machine.
+# torch is installed first, from TORCH_INDEX where one is given: on Linux PyPI's torch wheel is a CUDA
+# build (several GB with its CUDA libraries); TORCH_INDEX=https://download.pytorch.org/whl/cpu takes
+# the CPU build of the same release (its "+cpu" label satisfies the pin).
 PYTHON ?= python3
 PINS := tests/constraints.txt
 TORCH ?= $(shell grep '^torch==' $(PINS))
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -14,7 +17,7 @@ $(BIN)/.installed: pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VENV)
 	sed 's/^torch==.*/$(TORCH)/' $(PINS) > $(VENV)/constraints.txt
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt --upgrade pip
-	$(BIN)/pip install -q -c $(VENV)/constraints.txt $(TORCH)
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	# The toolkit's packages by their own names (fitting, codegen) for tests, notebooks and benchmarks:
 	# the wheel installs them only inside invact (pyproject.toml says why), so the venv gets the checkout.

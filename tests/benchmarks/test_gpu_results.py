@@ -40,7 +40,6 @@ def _mib(nbytes: int) -> str:
 @pytest.mark.parametrize(
     ("page", "heading", "columns"),
     [
-        ("README.md", "| model | dtype | peak, torch |", ("peak", "share")),
         ("docs/results/memory.md", "| model | dtype | saved, torch |", ("saved", "peak", "share")),
     ],
 )
@@ -76,18 +75,6 @@ def test_the_second_gpu_runs_bf16_time_table_is_the_committed_result():
         assert cells == [f"{r['torch_ms']:.3f}", f"{r['invact_ratio']:.2f}x", f"{r['torch_gpu_ms']:.3f}",
                          f"{r['invact_gpu_ratio']:.2f}x", f"{r['compile_ms']:.3f}",
                          f"{r['invact_compile_ratio']:.2f}x"], name  # fmt: skip
-
-
-def test_the_readme_gpu_time_table_is_the_committed_results():
-    """fp32 from the first GPU run (speed_h100-80gb-hbm3.json), bf16 from the second."""
-    rows = _table_rows((ROOT / "README.md").read_text(), "| setup | fp32 torch | fp32 invact | bf16 torch |")
-    fp32, bf16 = _speed_rows("speed_h100-80gb-hbm3.json"), _speed_rows("speed_h100-80gb-hbm3_bfloat16.json")
-    assert rows
-    for name, *cells in rows:
-        a, b = fp32[name], bf16[name]
-        expected = [f"{a['torch_ms']:.2f} ms", f"{a['invact_ratio']:.3f}x", f"{b['torch_ms']:.2f} ms",
-                    f"{b['invact_ratio']:.2f}x", f"{b['invact_gpu_ratio']:.2f}x"]  # fmt: skip
-        assert cells[:5] == expected, name
 
 
 def test_the_gpu_quick_figures_are_the_committed_results():
