@@ -148,15 +148,21 @@ _HEAD_REPLACED = ("not in effect: the head was replaced after invact.patch() too
                   "until patch() runs again, which takes the new head: ")  # fmt: skip
 
 
+def _on_path(model: nn.Module, name: str):
+    """(module, the rest of the path below it) for each module on the path to `name`, the model first,
+    `name`'s own module not included."""
+    parts = name.split(".")
+    for depth in range(len(parts)):
+        yield model.get_submodule(".".join(parts[:depth])), tuple(parts[depth:])
+
+
 def _loss_host(model: nn.Module, name: str) -> nn.Module | None:
     """The module on the path to the head `name` (the model itself included) whose forward an earlier
     patch() wrapped to compute the loss from the head at that path (invact.loss.take: it keeps the
     head's path in `_invact_head_path`); None where no patch() took a head there."""
-    parts = name.split(".")
-    for depth in range(len(parts)):
-        module = model.get_submodule(".".join(parts[:depth]))
+    for module, rest in _on_path(model, name):
         state = vars(module)
-        if state.get("_invact_loss_hooked") and state.get("_invact_head_path") == tuple(parts[depth:]):
+        if state.get("_invact_loss_hooked") and state.get("_invact_head_path") == rest:
             return module
     return None
 
@@ -171,9 +177,8 @@ def _fused_head(model: nn.Module, name: str) -> bool:
     """Whether a module on the path to the head `name` (the model itself included) has a forward of its
     own, set on the instance, that takes `fused_lm_head` (read from its code, not its signature, which
     functools.wraps copies from the class's forward)."""
-    parts = name.split(".")
-    for depth in range(len(parts)):
-        forward = vars(model.get_submodule(".".join(parts[:depth]))).get("forward")
+    for module, _ in _on_path(model, name):
+        forward = vars(module).get("forward")
         code = getattr(getattr(forward, "__func__", forward), "__code__", None)
         arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] if code else ()
         if "fused_lm_head" in arguments:
