@@ -44,7 +44,6 @@ import gc
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -317,17 +316,6 @@ def violations(result: dict) -> list[str]:
     return errors
 
 
-def _lscpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return cpu_model()
-    for line in text.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return cpu_model()
-
-
 def table(result: dict) -> str:
     """The markdown of a result: a header (machine, versions, command), one table per shape and dtype."""
     m = result["machine"]
@@ -395,7 +383,7 @@ def main(argv=None) -> int:
     argv_text = sys.argv[1:] if argv is None else argv
     result = {
         "machine": {
-            "cpu": _lscpu_model(),
+            "cpu": cpu_model(),
             "isa": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "load": round(load, 2),

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import platform
 import time
 from pathlib import Path
 
 import torch
+
+from timing import RESULTS, cpu_model
 
 MIB = 2**20
 SEED = 0
@@ -41,7 +42,6 @@ BENCH_SIZES = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, 
                    num_key_value_heads=2, vocab_size=2000)  # fmt: skip
 BENCH_SEQ = 64  # words of each text (prompt plus completion)
 MEASURED_STEP = 1  # the step whose peak is measured (step 0 warms up; it is left out of the times)
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # -- Model, tokenizer, data ----------------------------------------------------------------------------
@@ -228,14 +228,6 @@ def train(kind: str, patched: bool, sizes: dict, out: Path, steps: int = 3, batc
 
 
 # -- The benchmark ----------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
